@@ -1,0 +1,152 @@
+"""Block attention of the DSpark draft: which keys a block sees, and how it attends.
+
+The key sequence of a draft layer is `[context (T positions) ; all blocks (A·B slots)]`;
+queries are the block slots only. One predicate (`BlockLayout.mask_mod`) defines the mask;
+the SDPA path evaluates it densely, the flex path hands it to flex attention as is, so the
+two cannot disagree on what a block may see.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+ATTN_IMPLS = ("sdpa", "flex")
+
+
+@dataclass
+class BlockLayout:
+    """Mask of A anchored blocks of B slots over a packed row of T context positions.
+
+    Block j (anchor p_j) sees context keys `< p_j` of the same document (and `>= p_j - window`
+    with a sliding window), every slot of its own block (only slots `<= own` when causal in
+    block), and nothing of other blocks. Invalid (padding) anchors see their own block only.
+    """
+
+    anchors: torch.Tensor  # [b, A] long, already clamped into [0, T)
+    anchor_valid: torch.Tensor  # [b, A] bool
+    document_ids: torch.Tensor  # [b, T]
+    block_size: int
+    sliding_window: int | None
+    causal_in_block: bool
+
+    @property
+    def context_len(self) -> int:
+        return self.document_ids.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.anchors.shape[1] * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.context_len + self.q_len
+
+    def mask_mod(self, b, h, q, kv):
+        """True where query slot `q` of row `b` may attend key `kv` (flex `mask_mod` signature)."""
+        T, B = self.context_len, self.block_size
+        block = q // B
+        anchor = self.anchors[b, block]
+        # Block keys index past the context; clamp so the (discarded) lookup stays in range.
+        kv_pos = kv.clamp(max=T - 1)
+        sees_context = (
+            (kv < T)
+            & (kv < anchor)
+            & (self.document_ids[b, kv_pos] == self.document_ids[b, anchor])
+            & self.anchor_valid[b, block]
+        )
+        if self.sliding_window is not None:
+            sees_context = sees_context & (kv >= anchor - self.sliding_window)
+        slot = kv - T
+        sees_block = (kv >= T) & (slot // B == block)
+        if self.causal_in_block:
+            sees_block = sees_block & (slot <= q)
+        return sees_context | sees_block
+
+    def dense(self) -> torch.Tensor:
+        """Boolean mask [b, 1, A·B, T + A·B] for SDPA."""
+        device = self.anchors.device
+        b = torch.arange(self.anchors.shape[0], device=device)[:, None, None]
+        q = torch.arange(self.q_len, device=device)[None, :, None]
+        kv = torch.arange(self.kv_len, device=device)[None, None, :]
+        return self.mask_mod(b, None, q, kv).unsqueeze(1)
+
+    def flex(self):
+        """Block-sparse mask for flex attention (CUDA)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(
+            self.mask_mod, B=self.anchors.shape[0], H=None, Q_LEN=self.q_len, KV_LEN=self.kv_len,
+            device=self.anchors.device,
+        )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [b, heads, L, d] with cos/sin [b, L, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process (uncompiled, it materializes every score)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+class DraftAttention(nn.Module):
+    """Qwen3 attention (q/k RMSNorm, GQA, RoPE) with the context injected as extra keys/values.
+
+    Context and block go through the same k/v projections, k-norm and RoPE (each at its
+    own positions); queries come from the block slots only.
+    """
+
+    def __init__(self, config: Qwen3Config, attn_impl: str):
+        super().__init__()
+        self.attn_impl = attn_impl
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask) -> torch.Tensor:
+        """x [b, Q, H] block slots; context [b, T, H]; cos/sin [b, T+Q, d] (context, then block);
+        mask from `BlockLayout.dense()` (sdpa) or `BlockLayout.flex()` (flex)."""
+        bsz, q_len, _ = x.shape
+        keys_in = torch.cat([context, x], dim=1)
+        kv_len = keys_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(keys_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(keys_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        ctx_len = context.shape[1]
+        q = apply_rope(q, cos[:, ctx_len:], sin[:, ctx_len:])
+        k = apply_rope(k, cos, sin)
+        gqa = self.num_heads != self.num_kv_heads
+        if self.attn_impl == "flex":
+            out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5,
+                                                 enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim))
+
+
+__all__ = ["ATTN_IMPLS", "BlockLayout", "DraftAttention", "apply_rope", "rotate_half"]
