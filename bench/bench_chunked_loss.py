@@ -1,0 +1,143 @@
+"""Peak memory and time of the chunked DSpark loss against the same loss in one piece.
+
+Setting: verifier vocabulary 151,936, 512 anchors x block 4 = 2,048 slots, hidden 1024
+(Qwen3-0.6B sizes), the default objective (0.1 ce + 0.9 tv, confidence head), forward +
+backward. The heads are stand-ins with the draft's shapes: frozen lm_head shared with the
+verifier, Markov bias (rank 256, trainable) and a confidence head.
+
+"unchunked" is `dspark_loss` with one chunk holding every slot (plain autograd, the
+straightforward implementation); "chunked" uses 256 slots per chunk (checkpointed).
+
+How memory is measured: every variant runs in a fresh subprocess, which builds its
+inputs, resets the kernel's peak-RSS counter (`/proc/self/clear_refs` = 5), runs the loss,
+and reports the peak RSS above its resident size before the loss (VmHWM − VmRSS), i.e. the
+memory the loss itself needed. Figures are reported as chunked / unchunked ratios.
+
+Run: python bench/bench_chunked_loss.py   (or python -m bench only=chunked_loss)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VOCAB = 151_936
+ANCHORS = 512
+BLOCK = 4
+HIDDEN = 1024
+MARKOV_RANK = 256
+CHUNK_SLOTS = 256
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def run_variant(chunk_slots: int, threads: int) -> dict:
+    """Build inputs, then time the loss (forward + backward) and measure its peak RSS."""
+    import torch
+    from torch import nn
+
+    from dspark.config import LossConfig
+    from dspark.losses import dspark_loss
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    lm_head = nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)  # frozen, shared
+    norm = nn.RMSNorm(HIDDEN).requires_grad_(False)
+    w1 = nn.Embedding(VOCAB, MARKOV_RANK)
+    w2 = nn.Linear(MARKOV_RANK, VOCAB, bias=False)
+    conf = nn.Linear(HIDDEN + MARKOV_RANK, 1)
+
+    def draft_logits(hidden, prev):
+        return lm_head(hidden) + w2(w1(prev))
+
+    def confidence_logits(hidden, prev):
+        return conf(torch.cat([hidden, w1(prev)], dim=-1)).squeeze(-1)
+
+    def target_logits(target_hidden):
+        return lm_head(norm(target_hidden))
+
+    hidden = torch.randn(ANCHORS, BLOCK, HIDDEN, requires_grad=True)
+    target_hidden = hidden.detach() + 0.5 * torch.randn(ANCHORS, BLOCK, HIDDEN)
+    prev = torch.randint(0, VOCAB, (ANCHORS, BLOCK))
+    labels = torch.randint(0, VOCAB, (ANCHORS, BLOCK))
+    slot_mask = torch.ones(ANCHORS, BLOCK, dtype=torch.bool)
+    cfg = LossConfig(weights={"ce": 0.1, "tv": 0.9}, ce_target="data", confidence_weight=1.0,
+                     gamma=4.0, num_anchors=ANCHORS, chunk_size=chunk_slots)
+    params = [hidden, *w1.parameters(), *w2.parameters(), *conf.parameters()]
+
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    baseline_kib = _status_kib("VmRSS")
+    # One pass: at these sizes a pass is a minute of CPU; CPU time is reported next to wall
+    # time because a shared machine inflates wall time unevenly between the two runs.
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = dspark_loss(draft_logits, target_logits, hidden, prev, target_hidden, labels, slot_mask,
+                      cfg, confidence_fn=confidence_logits)
+    out.loss.backward()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "chunk_slots": chunk_slots,
+        "peak_mib": round((_status_kib("VmHWM") - baseline_kib) / 1024, 1),
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "loss": float(out.loss.detach()),
+        "grad_norm_hidden": float(hidden.grad.norm()),
+    }
+
+
+def _spawn(chunk_slots: int, threads: int) -> dict:
+    """One variant in a fresh interpreter, so its allocator and peak RSS start clean."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--variant", str(chunk_slots), str(threads)],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"variant chunk_slots={chunk_slots} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-4 * abs(b)
+
+
+def main(out_dir: Path) -> dict:
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    unchunked = _spawn(ANCHORS * BLOCK, threads)
+    chunked = _spawn(CHUNK_SLOTS, threads)
+    figures = {
+        "setting": {"vocab": VOCAB, "anchors": ANCHORS, "block": BLOCK, "hidden": HIDDEN,
+                    "markov_rank": MARKOV_RANK, "dtype": "float32", "device": "cpu", "threads": threads,
+                    "terms": "0.1 ce + 0.9 tv + confidence", "pass": "forward+backward",
+                    "memory": "peak RSS above pre-loss RSS, fresh process per variant"},
+        "unchunked": unchunked,
+        "chunked": chunked,
+        "peak_memory_ratio": round(chunked["peak_mib"] / unchunked["peak_mib"], 3),
+        "wall_time_ratio": round(chunked["wall_s"] / unchunked["wall_s"], 3),
+        "cpu_time_ratio": round(chunked["cpu_s"] / unchunked["cpu_s"], 3),
+        "same_result": all(_close(chunked[k], unchunked[k]) for k in ("loss", "grad_norm_hidden")),
+    }
+    for name in ("unchunked", "chunked"):
+        v = figures[name]
+        print(f"{name:9s} ({v['chunk_slots']} slots per chunk): peak {v['peak_mib']} MiB, "
+              f"wall {v['wall_s']} s, cpu {v['cpu_s']} s")
+    print(f"chunked / unchunked: peak memory {figures['peak_memory_ratio']}x, wall time "
+          f"{figures['wall_time_ratio']}x, cpu time {figures['cpu_time_ratio']}x, "
+          f"same loss and gradient: {figures['same_result']}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "chunked_loss.json").write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--variant":
+        print(json.dumps(run_variant(int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        main(Path(__file__).resolve().parent / "results")

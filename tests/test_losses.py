@@ -1,0 +1,302 @@
+"""dspark.losses against a naive per-slot loop, chunked against unchunked, and the normalizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import LossConfig
+from dspark.losses import dspark_loss, position_weights, weight_sum
+
+H, V, R, B = 12, 40, 6, 4
+
+
+class DraftHeads(nn.Module):
+    """Stand-in for the draft's output side: lm_head over the draft vocabulary + Markov bias + confidence."""
+
+    def __init__(self, draft_vocab: int):
+        super().__init__()
+        self.lm_head = nn.Linear(H, draft_vocab, bias=False)
+        self.w1 = nn.Embedding(V, R)
+        self.w2 = nn.Linear(R, draft_vocab, bias=False)
+        self.conf = nn.Linear(H + R, 1)
+
+    def draft_logits(self, hidden, prev):
+        return self.lm_head(hidden) + self.w2(self.w1(prev))
+
+    def confidence_logits(self, hidden, prev):
+        return self.conf(torch.cat([hidden, self.w1(prev)], dim=-1)).squeeze(-1)
+
+
+class Verifier(nn.Module):
+    """Stand-in for the verifier head: final RMSNorm then full-vocabulary lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def logits(self, h):
+        return self.lm_head(self.norm(h))
+
+
+def make_cfg(weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7, gamma=4.0) -> LossConfig:
+    return LossConfig(
+        weights=weights if weights is not None else {"ce": 0.1, "tv": 0.9, "kl": 0.3},
+        ce_target=ce_target,
+        confidence_weight=confidence_weight,
+        gamma=gamma,
+        num_anchors=8,
+        chunk_size=chunk_size,
+    )
+
+
+def make_case(seed: int, n: int = 7, draft_vocab: int | None = None):
+    """Heads, verifier, inputs (float64 for tight comparisons) and an optional d2t."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    d2t = None
+    if draft_vocab is not None:
+        ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
+        d2t = ids - torch.arange(draft_vocab)
+    heads = DraftHeads(draft_vocab or V).double()
+    verifier = Verifier().double().requires_grad_(False)
+    hidden = torch.randn(n, B, H, generator=g, dtype=torch.float64, requires_grad=True)
+    target_hidden = 3 * torch.randn(n, B, H, generator=g, dtype=torch.float64)
+    prev = torch.randint(0, V, (n, B), generator=g)
+    labels = torch.randint(0, V, (n, B), generator=g)
+    # Contiguous prefixes of random length, including empty blocks and full blocks.
+    lengths = torch.randint(0, B + 1, (n,), generator=g)
+    lengths[0], lengths[1] = B, 0
+    slot_mask = torch.arange(B) < lengths.unsqueeze(1)
+    return heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t
+
+
+def run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm=None, confidence=True):
+    return dspark_loss(
+        heads.draft_logits,
+        verifier.logits,
+        hidden,
+        prev,
+        target_hidden,
+        labels,
+        slot_mask,
+        cfg,
+        norm,
+        confidence_fn=heads.confidence_logits if confidence else None,
+        d2t=d2t,
+    )
+
+
+def naive_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm=None):
+    """One slot at a time, straight from the definitions (full-vocabulary TV, m·KL(p̂‖q))."""
+    n, block = slot_mask.shape
+    draft_ids = list(range(V)) if d2t is None else [i + int(d2t[i]) for i in range(len(d2t))]
+    sums = {"ce": 0.0, "tv": 0.0, "kl": 0.0, "confidence": 0.0}
+    alpha = torch.zeros(n, block, dtype=torch.float64)
+    out_of_vocab, weight_total = 0, 0.0
+    for i in range(n):
+        for k in range(block):
+            if not slot_mask[i, k]:
+                continue
+            w = math.exp(-k / cfg.gamma)
+            weight_total += w
+            h, tok = hidden[i, k].view(1, 1, H), prev[i, k].view(1, 1)
+            q = torch.softmax(heads.draft_logits(h, tok)[0, 0], dim=0)
+            with torch.no_grad():
+                p = torch.softmax(verifier.logits(target_hidden[i, k]), dim=0)
+            q_full = torch.zeros(V, dtype=q.dtype).index_put((torch.tensor(draft_ids),), q)
+            sums["tv"] = sums["tv"] + w * 0.5 * (q_full - p).abs().sum()
+            a = sum(min(q_full[v], p[v]) for v in range(V))
+            alpha[i, k] = a.detach()
+            p_in = p[draft_ids]
+            mass = p_in.sum()
+            p_hat = p_in / mass
+            sums["kl"] = sums["kl"] + w * mass * (p_hat * (p_hat.log() - q.log())).sum()
+            y = int(labels[i, k]) if cfg.ce_target == "data" else int(p.argmax())
+            if y in draft_ids:
+                sums["ce"] = sums["ce"] - w * q[draft_ids.index(y)].log()
+            else:
+                out_of_vocab += 1
+            logit = heads.confidence_logits(h, tok)[0, 0]
+            c = a.detach()
+            bce = -(c * F.logsigmoid(logit) + (1 - c) * F.logsigmoid(-logit))
+            sums["confidence"] = sums["confidence"] + w * bce
+    norm = weight_total if norm is None else norm
+    terms = {name: value / norm for name, value in sums.items()}
+    loss = sum(cfg.weights[t] * terms[t] for t in cfg.weights) + cfg.confidence_weight * terms["confidence"]
+    return loss, terms, alpha, out_of_vocab
+
+
+CASES = [
+    pytest.param(None, "data", id="full-vocab"),
+    pytest.param(None, "argmax", id="full-vocab-argmax"),
+    pytest.param(24, "data", id="draft-vocab"),
+    pytest.param(24, "argmax", id="draft-vocab-argmax"),
+]
+
+
+@pytest.mark.parametrize("draft_vocab, ce_target", CASES)
+def test_loss_matches_naive_loop(draft_vocab, ce_target):
+    case = make_case(seed=1, draft_vocab=draft_vocab)
+    cfg = make_cfg(ce_target=ce_target)
+    out = run_loss(*case, cfg)
+    loss, terms, alpha, out_of_vocab = naive_loss(*case, cfg)
+
+    torch.testing.assert_close(out.loss, loss, rtol=1e-9, atol=1e-12)
+    for name in ("ce", "tv", "kl", "confidence"):
+        torch.testing.assert_close(out.terms[name], terms[name].detach(), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(out.alpha, alpha, rtol=1e-9, atol=1e-12)
+    assert int(out.ce_out_of_vocab) == out_of_vocab
+    if draft_vocab is None:
+        assert out_of_vocab == 0
+    else:  # the case must exercise targets outside the draft vocabulary
+        assert out_of_vocab > 0
+    mask = case[6]
+    torch.testing.assert_close(out.acceptance.alpha_sum, (alpha * mask).sum(0))
+    torch.testing.assert_close(out.acceptance.slots, mask.sum(0).double())
+
+
+@pytest.mark.parametrize("draft_vocab, ce_target", CASES[::3])
+def test_gradients_match_naive_loop(draft_vocab, ce_target):
+    heads, verifier, hidden, *rest = make_case(seed=2, draft_vocab=draft_vocab)
+    cfg = make_cfg(ce_target=ce_target, chunk_size=2 * B)  # several chunks: the checkpointed path
+
+    def grads(loss):
+        params = [hidden, *heads.parameters()]
+        return torch.autograd.grad(loss, params)
+
+    got = grads(run_loss(heads, verifier, hidden, *rest, cfg).loss)
+    want = grads(naive_loss(heads, verifier, hidden, *rest, cfg)[0])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 24])
+def test_chunked_equals_unchunked(draft_vocab):
+    heads, verifier, hidden, *rest = make_case(seed=3, n=11, draft_vocab=draft_vocab)
+    params = [hidden, *heads.parameters()]
+    results = []
+    for chunk_size in (B, 3 * B, 1000 * B):  # 1 block per chunk, a ragged last chunk, one chunk
+        out = run_loss(heads, verifier, hidden, *rest, make_cfg(chunk_size=chunk_size))
+        results.append((out, torch.autograd.grad(out.loss, params)))
+    (ref, ref_grads) = results[-1]
+    assert any(g.abs().sum() > 0 for g in ref_grads)
+    for out, grads in results[:-1]:
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-14)
+        for name, value in ref.terms.items():
+            torch.testing.assert_close(out.terms[name], value, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(out.alpha, ref.alpha, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(out.confidence, ref.confidence, rtol=1e-12, atol=1e-14)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+
+
+def test_external_norm_splits_like_one_batch():
+    """Two ranks, each normalized by the global weight sum, add up to the single-batch loss."""
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(seed=4, n=8)
+    cfg = make_cfg()
+    params = [hidden, *heads.parameters()]
+    whole = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
+    whole_grads = torch.autograd.grad(whole.loss, params)
+
+    halves = (slice(0, 3), slice(3, 8))
+    norm = sum(weight_sum(slot_mask[s], cfg.gamma) for s in halves)  # what the all-reduce returns
+    parts = [
+        run_loss(heads, verifier, hidden[s], prev[s], target_hidden[s], labels[s], slot_mask[s], d2t, cfg, norm)
+        for s in halves
+    ]
+    total = parts[0].loss + parts[1].loss
+    torch.testing.assert_close(total, whole.loss, rtol=1e-12, atol=1e-14)
+    for g, w in zip(torch.autograd.grad(total, params), whole_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-13)
+
+    doubled = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, 2 * norm)
+    torch.testing.assert_close(doubled.loss, whole.loss / 2, rtol=1e-12, atol=1e-14)
+
+
+def test_position_weights_and_weight_sum():
+    torch.testing.assert_close(position_weights(3, 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    torch.testing.assert_close(weight_sum(mask, 2.0), torch.tensor(2.0 + math.exp(-0.5), dtype=torch.float64))
+
+
+def test_no_scored_slot_gives_zero_loss_and_a_graph():
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(seed=5)
+    cfg = make_cfg()
+    out = run_loss(heads, verifier, hidden, prev, target_hidden, labels, torch.zeros_like(slot_mask), d2t, cfg)
+    assert float(out.loss.detach()) == 0.0
+    out.loss.backward()
+    assert heads.lm_head.weight.grad is not None and float(heads.lm_head.weight.grad.abs().sum()) == 0.0
+
+    empty = [t[:0] for t in (hidden, prev, target_hidden, labels, slot_mask)]
+    out = run_loss(heads, verifier, *empty, d2t, cfg, norm=1.0)
+    assert float(out.loss.detach()) == 0.0 and out.alpha.shape == (0, B)
+    (grad,) = torch.autograd.grad(out.loss, [heads.w2.weight])  # still connected to the heads
+    assert float(grad.abs().sum()) == 0.0
+
+
+def test_terms_follow_config():
+    case = make_case(seed=6)
+    out = run_loss(*case, make_cfg(weights={"tv": 1.0}), confidence=False)
+    assert set(out.terms) == {"tv"} and out.confidence is None
+    torch.testing.assert_close(out.loss, out.terms["tv"])
+
+
+def test_half_precision_logits_are_widened():
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(seed=7)
+    cfg = make_cfg()
+    ref = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
+    heads16, verifier16 = heads.to(torch.bfloat16), verifier.to(torch.bfloat16)
+    out = run_loss(
+        heads16, verifier16, hidden.detach().bfloat16(), prev, target_hidden.bfloat16(), labels, slot_mask, d2t, cfg
+    )
+    assert out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss.double(), ref.loss.detach(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(cfg=make_cfg(weights={"ce": 1.0, "l1": 1.0})), r"loss.weights: unknown term\(s\) \['l1'\]"),
+        (dict(cfg=make_cfg(ce_target="top1")), "loss.ce_target"),
+        (dict(d2t=torch.zeros(5, dtype=torch.long)), "d2t has 5"),
+        (dict(labels=torch.zeros(7, B + 1, dtype=torch.long)), "labels must be"),
+        (dict(d2t=None, draft_vocab=24), "pass d2t for a reduced draft vocabulary"),
+    ],
+)
+def test_bad_input_names_the_field(change, message):
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(
+        seed=8, draft_vocab=change.pop("draft_vocab", None)
+    )
+    args = dict(labels=labels, d2t=d2t, cfg=make_cfg()) | change
+    with pytest.raises(ValueError, match=message):
+        run_loss(heads, verifier, hidden, prev, target_hidden, args["labels"], slot_mask, args["d2t"], args["cfg"])
+
+
+def saved_bytes_for_backward(n: int, chunk_size: int) -> int:
+    """Bytes autograd keeps from forward to backward for the loss of n blocks."""
+    heads, verifier, hidden, *rest = make_case(seed=9, n=n)
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_loss(heads, verifier, hidden, *rest, make_cfg(chunk_size=chunk_size))
+    return total
+
+
+def test_chunking_keeps_no_vocabulary_sized_tensor_until_backward():
+    """Checkpointed chunks keep only their inputs; a single chunk keeps [n, B, V] buffers."""
+    chunked = [saved_bytes_for_backward(n, chunk_size=B) for n in (8, 16)]
+    unchunked = [saved_bytes_for_backward(n, chunk_size=1000 * B) for n in (8, 16)]
+    vocab_buffer = 8 * B * V * 8  # one float64 [n=8, B, V] tensor
+    assert unchunked[1] - unchunked[0] > 3 * vocab_buffer  # grows by several vocabulary-sized buffers
+    assert chunked[1] - chunked[0] < vocab_buffer  # grows by the (small) per-chunk inputs only
