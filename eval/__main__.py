@@ -1,0 +1,59 @@
+"""`python -m eval drafter=<dir> key=value ...` (make eval DRAFTER=...): see conf/eval.yaml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.config import TargetConfig, to_dataclass
+from eval.config import EvalConfig
+from eval.evaluate import evaluate_drafter
+from extract.config import ServerConfig
+
+
+def stage_configs(cfg: DictConfig) -> tuple[TargetConfig, EvalConfig, ServerConfig]:
+    """The target, eval and server sections as checked dataclasses (interpolations resolved
+    first: a section taken out of the tree can no longer see `target` or `paths`)."""
+    OmegaConf.resolve(cfg)
+    return (to_dataclass(TargetConfig, cfg.target), to_dataclass(EvalConfig, cfg.eval),
+            to_dataclass(ServerConfig, cfg.server))
+
+
+def run(cfg: DictConfig) -> dict:
+    """Evaluate `cfg.drafter`; returns the report (also written to `eval.out_dir/report.json`)."""
+    drafter = Path(cfg.drafter)
+    if not (drafter / "config.json").is_file():
+        raise FileNotFoundError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
+    return evaluate_drafter(drafter, *stage_configs(cfg))
+
+
+def headline(report: dict) -> str:
+    lines = []
+    if report.get("offline"):
+        overall = report["offline"]["overall"]
+        lines.append(f"offline τ {overall['tau']:.3f} over {overall['blocks']} blocks; cumulative acceptance "
+                     + " ".join(f"{a:.3f}" for a in overall["cumulative"]))
+    if report.get("calibration"):
+        c = report["calibration"]
+        lines.append(f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
+                     f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"]))
+    for r in (report.get("online") or {}).get("runs", []):
+        extra = f", speedup {r['speedup']:.2f}x" if "speedup" in r else ""
+        extra += f", acceptance length {r['acceptance_length']:.3f}" if "acceptance_length" in r else ""
+        lines.append(f"served {r['name']}: {r['tokens_per_s']:.1f} tok/s{extra}")
+    if (report.get("online") or {}).get("skipped"):
+        lines.append(f"online: {report['online']['skipped']}")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base=None)
+def main(cfg: DictConfig) -> None:
+    report = run(cfg)
+    print(headline(report))
+    print(f"report: {Path(cfg.eval.out_dir) / 'report.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Confidence-head quality and per-position sequential temperature scaling (STS).
+
+The quantity judged is the prefix-survival prediction P_k = Π_{j≤k} c_j, where
+c_j = sigmoid(z_j / T_j) is the confidence head's probability that slot j is accepted
+given every earlier slot was. It is compared with the *analytic* realized acceptance
+y_k = Π_{j≤k} α_j, α_j = Σ_v min(q_j, p_j): the exact probability that the verifier
+accepts slots 1..k, so no sampling noise enters the evaluation.
+
+With soft labels y ∈ [0, 1]:
+- ECE bins P by value (equal-width bins) and averages |mean P − mean y| by bin mass;
+- Brier is mean (P − y)²;
+- AUROC counts every example as a positive with weight y and a negative with weight 1 − y
+  (for 0/1 labels this is the usual AUROC; for soft labels it is the AUROC of the expected
+  confusion counts under Bernoulli(y) acceptance); ties count one half;
+- NLL is the binary cross-entropy −[y log P + (1 − y) log(1 − P)].
+
+STS fits one temperature per position, position 1 first: T_k minimizes the NLL of
+P_{k−1}·sigmoid(z_k / T_k) against y_k with T_1..T_{k−1} already fixed, because the
+product at position k can only be as good as the prefix it multiplies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+EPS = 1e-7
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
+
+
+def prefix_survival(values: np.ndarray, slot_mask: np.ndarray) -> np.ndarray:
+    """Π_{j≤k} values[:, j] for valid slots, 0 where the slot is invalid. [n, B] → [n, B]."""
+    v = np.where(slot_mask, np.asarray(values, dtype=np.float64), 0.0)
+    return np.cumprod(v, axis=1) * slot_mask
+
+
+def scaled_confidence(conf_logits: np.ndarray, temperatures: np.ndarray | list[float] | None) -> np.ndarray:
+    """c_k = sigmoid(z_k / T_k); T = None means unscaled."""
+    z = np.asarray(conf_logits, dtype=np.float64)
+    if temperatures is None:
+        return sigmoid(z)
+    t = np.asarray(temperatures, dtype=np.float64)
+    if t.shape != (z.shape[1],):
+        raise ValueError(f"calibration: {t.size} temperatures for {z.shape[1]} block positions")
+    return sigmoid(z / t)
+
+
+def ece(pred: np.ndarray, label: np.ndarray, n_bins: int) -> float:
+    """Expected calibration error with equal-width bins over [0, 1]."""
+    pred, label = np.asarray(pred, np.float64), np.asarray(label, np.float64)
+    if pred.size == 0:
+        return float("nan")
+    bins = np.minimum((pred * n_bins).astype(np.int64), n_bins - 1)
+    count = np.bincount(bins, minlength=n_bins)
+    gap = np.abs(np.bincount(bins, pred, n_bins) - np.bincount(bins, label, n_bins))
+    # Σ_b (n_b / N) |mean_pred_b − mean_label_b| = Σ_b |Σ pred − Σ label| / N
+    return float(gap[count > 0].sum() / pred.size)
+
+
+def brier(pred: np.ndarray, label: np.ndarray) -> float:
+    pred, label = np.asarray(pred, np.float64), np.asarray(label, np.float64)
+    return float(np.mean((pred - label) ** 2)) if pred.size else float("nan")
+
+
+def nll(pred: np.ndarray, label: np.ndarray) -> float:
+    p = np.clip(np.asarray(pred, np.float64), EPS, 1 - EPS)
+    y = np.asarray(label, np.float64)
+    return float(np.mean(-(y * np.log(p) + (1 - y) * np.log1p(-p)))) if p.size else float("nan")
+
+
+def auroc(score: np.ndarray, label: np.ndarray) -> float:
+    """AUROC with soft labels (positive weight y, negative weight 1 − y); ties count ½."""
+    score, y = np.asarray(score, np.float64), np.asarray(label, np.float64)
+    w_pos, w_neg = y, 1.0 - y
+    total_pos, total_neg = w_pos.sum(), w_neg.sum()
+    if total_pos <= 0 or total_neg <= 0:
+        return float("nan")
+    uniq, group = np.unique(score, return_inverse=True)
+    pos_g = np.bincount(group, w_pos, uniq.size)
+    neg_g = np.bincount(group, w_neg, uniq.size)
+    neg_below = np.cumsum(neg_g) - neg_g
+    return float((pos_g * (neg_below + 0.5 * neg_g)).sum() / (total_pos * total_neg))
+
+
+def reliability_curve(pred: np.ndarray, label: np.ndarray, n_bins: int) -> dict:
+    """Per-bin mean prediction, mean label and count (empty bins dropped)."""
+    pred, label = np.asarray(pred, np.float64), np.asarray(label, np.float64)
+    bins = np.minimum((pred * n_bins).astype(np.int64), n_bins - 1)
+    count = np.bincount(bins, minlength=n_bins)
+    keep = count > 0
+    return {
+        "mean_pred": (np.bincount(bins, pred, n_bins)[keep] / count[keep]).tolist(),
+        "mean_label": (np.bincount(bins, label, n_bins)[keep] / count[keep]).tolist(),
+        "count": count[keep].tolist(),
+    }
+
+
+def _scores(pred: np.ndarray, label: np.ndarray, n_bins: int) -> dict:
+    return {
+        "n": int(pred.size),
+        "ece": ece(pred, label, n_bins),
+        "auroc": auroc(pred, label),
+        "brier": brier(pred, label),
+        "nll": nll(pred, label),
+        "mean_pred": float(pred.mean()) if pred.size else float("nan"),
+        "mean_label": float(label.mean()) if label.size else float("nan"),
+    }
+
+
+def confidence_quality(
+    conf_logits: np.ndarray,
+    alpha: np.ndarray,
+    slot_mask: np.ndarray,
+    temperatures: np.ndarray | list[float] | None,
+    n_bins: int,
+) -> dict:
+    """Scores of P_k vs y_k per position and pooled over all valid slots, plus reliability curves."""
+    mask = np.asarray(slot_mask, bool)
+    pred = prefix_survival(scaled_confidence(conf_logits, temperatures), mask)
+    label = prefix_survival(alpha, mask)
+    per_position = [_scores(pred[mask[:, k], k], label[mask[:, k], k], n_bins) for k in range(mask.shape[1])]
+    return {
+        "per_position": per_position,
+        "pooled": _scores(pred[mask], label[mask], n_bins),
+        "reliability": [reliability_curve(pred[mask[:, k], k], label[mask[:, k], k], n_bins) for k in range(mask.shape[1])],
+    }
+
+
+def _minimize_log_t(objective, log_lo: float, log_hi: float, grid: int = 41, iters: int = 40) -> float:
+    """Grid search then golden-section refinement of a 1-D objective over log T."""
+    xs = np.linspace(log_lo, log_hi, grid)
+    values = [objective(x) for x in xs]
+    i = int(np.argmin(values))
+    a, b = xs[max(i - 1, 0)], xs[min(i + 1, grid - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = objective(c), objective(d)
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = objective(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = objective(d)
+    best = min([(values[i], xs[i]), (fc, c), (fd, d)])
+    return float(best[1])
+
+
+def fit_sequential_temperatures(
+    conf_logits: np.ndarray,
+    alpha: np.ndarray,
+    slot_mask: np.ndarray,
+    t_min: float,
+    t_max: float,
+) -> list[float]:
+    """STS: T_k minimizing NLL of P_{k−1}·sigmoid(z_k/T_k) vs y_k, positions in order.
+
+    A position with no valid slot keeps T = 1.
+    """
+    z = np.asarray(conf_logits, np.float64)
+    mask = np.asarray(slot_mask, bool)
+    label = prefix_survival(alpha, mask)
+    prefix = np.ones(z.shape[0])
+    temperatures: list[float] = []
+    for k in range(z.shape[1]):
+        rows = mask[:, k]
+        if not rows.any():
+            temperatures.append(1.0)
+            continue
+        zk, yk, pk = z[rows, k], label[rows, k], prefix[rows]
+        log_t = _minimize_log_t(lambda lt: nll(pk * sigmoid(zk / math.exp(lt)), yk), math.log(t_min), math.log(t_max))
+        temperatures.append(math.exp(log_t))
+        prefix = prefix * sigmoid(z[:, k] / temperatures[-1])
+    return temperatures
+
+
+def save_calibration(path: str | Path, temperatures: list[float], meta: dict) -> Path:
+    """Write the fitted temperatures beside the drafter (json: temperatures + how they were fitted)."""
+    path = Path(path)
+    path.write_text(json.dumps({"method": "sequential_temperature_scaling", "temperatures": temperatures, **meta}, indent=2))
+    return path
+
+
+def load_calibration(path: str | Path) -> list[float]:
+    data = json.loads(Path(path).read_text())
+    temps = data.get("temperatures")
+    if not isinstance(temps, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
+        raise ValueError(f"{path}: field 'temperatures' must be a list of positive numbers, got {temps!r}")
+    return [float(t) for t in temps]

@@ -1,0 +1,190 @@
+"""Model card (README.md) of an exported drafter, rendered from the evaluation report only.
+
+The card takes nothing but `report.json`'s content, so every figure it shows is one the
+report holds; numbers are printed by `fmt`, which the tests use to check that claim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+CARD_FILE = "README.md"
+ABSENT = "not recorded"
+
+
+def fmt(value) -> str:
+    """How the card prints a figure: integers as they are, floats with 3 decimals (3 significant
+    digits in exponent form below 0.001, where 3 decimals would print 0.000)."""
+    if value is None:
+        return ABSENT
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.3f}"
+    if isinstance(value, (list, dict)):
+        return "`" + json.dumps(value) + "`"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _get(d: dict | None, *keys):
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _usage(drafter: dict) -> list[str]:
+    spec = json.dumps({"method": "dspark", "model": drafter["path"],
+                       "num_speculative_tokens": drafter.get("speculative_tokens")})
+    return [
+        "## Usage",
+        "",
+        "```bash",
+        f"vllm serve {drafter['path']}",
+        "# or name the verifier explicitly (e.g. a local copy of it):",
+        f"vllm serve {drafter['verifier']} --speculative-config '{spec}'",
+        "```",
+        "",
+        "vLLM serves DSpark on its GPU runner. Add `\"enable_adaptive_verification\": true` to the",
+        "speculative config to let the confidence head shorten drafts.",
+        "",
+    ]
+
+
+def _architecture(d: dict) -> list[str]:
+    keys = ["verifier", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "block_size", "speculative_tokens", "verifier_vocab_size", "draft_vocab_size",
+            "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "markov_rank", "markov_head_type",
+            "confidence_head", "confidence_head_with_markov", "layer_types", "sliding_window"]
+    return ["## Architecture", "", "DSpark parallel block drafter over the verifier's aux hidden states, with a "
+            "Markov (sequential) logit-bias head and a confidence head; the verifier's embedding, final norm and "
+            "lm_head are frozen and shared.", "",
+            *_table(["field", "value"], [[k, "none" if d.get(k) is None else d[k]] for k in keys])]
+
+
+def _data(data: dict) -> list[str]:
+    rows = []
+    for key in ("name", "source", "path", "rows", "usable", "selected", "max_turns", "eval_fraction"):
+        if _get(data, "source", key) is not None:
+            rows.append([f"source.{key}", data["source"][key]])
+    for split, stats in (data.get("splits") or {}).items():
+        rows += [[f"{split}.{k}", v] for k, v in stats.items()]
+    regen = data.get("regeneration") or {}
+    rows += [[f"regeneration.{k}", v] for k, v in regen.items() if not isinstance(v, dict)]
+    store = data.get("heldout_store") or {}
+    rows += [[f"heldout_store.{k}", store.get(k)] for k in ("samples", "tokens", "layer_ids") if k in store]
+    if not rows:
+        return ["## Data", "", ABSENT + " (no data summary.json or store found)", ""]
+    return ["## Data", "", *_table(["field", "value"], rows)]
+
+
+def _training(t: dict) -> list[str]:
+    keys = ["steps", "best_step", "epochs", "world_size", "train_time_s", "hardware", "tokens_per_s"]
+    rows = [[k, t.get(k)] for k in keys]
+    final = t.get("final_eval") or {}
+    if "tau" in final:
+        rows.append(["final held-out τ (training eval)", final["tau"]])
+    return ["## Training", "", *_table(["field", "value"], rows)]
+
+
+def _offline(off: dict) -> list[str]:
+    overall = off["overall"]
+    out = [
+        "## Acceptance (offline, held-out data)",
+        "",
+        "Analytic acceptance α_k = Σ_v min(q_k, p_k) against the verifier's full-vocabulary distribution at "
+        "temperature 1 (mass outside a reduced draft vocabulary counts as rejected); "
+        "τ = 1 + Σ_k Π_{j≤k} α_j tokens per verifier step.",
+        "",
+        *_table(["figure", "value"], [["τ", overall["tau"]], ["blocks", overall["blocks"]], ["samples", off["samples"]]]),
+        *_table(["position", "cumulative Π α", "conditional α"],
+                [[str(k + 1), c, a] for k, (c, a) in enumerate(zip(overall["cumulative"], overall["conditional"]))]),
+    ]
+    for key, title in (("by_length", "sequence length"), ("by_anchor_position", "anchor position"), ("by_source", "source")):
+        if off.get(key):
+            out += [f"τ by {title}:", "", *_table([title, "τ", "blocks"],
+                                                   [[name, s["tau"], s["blocks"]] for name, s in off[key].items()])]
+    return out
+
+
+def _calibration(cal: dict) -> list[str]:
+    rows = []
+    for k, (b, a) in enumerate(zip(cal["before"]["per_position"], cal["after"]["per_position"])):
+        rows.append([str(k + 1), cal["temperatures"][k], b["ece"], a["ece"], b["auroc"], a["auroc"], b["brier"], a["brier"]])
+    pooled_b, pooled_a = cal["before"]["pooled"], cal["after"]["pooled"]
+    rows.append(["all", "", pooled_b["ece"], pooled_a["ece"], pooled_b["auroc"], pooled_a["auroc"],
+                 pooled_b["brier"], pooled_a["brier"]])
+    return [
+        "## Confidence head",
+        "",
+        "Prefix-survival prediction Π_{j≤k} c_j against the realized analytic acceptance Π_{j≤k} α_j, before and "
+        "after per-position sequential temperature scaling (temperatures in `calibration.json`, fitted on "
+        f"{fmt(cal['fit_samples'])} held-out samples, scored on the other {fmt(cal['scored_samples'])}).",
+        "",
+        *_table(["position", "temperature", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS"], rows),
+    ]
+
+
+def _online(on: dict) -> list[str]:
+    out = [
+        "## Served speed (vLLM)",
+        "",
+        f"{fmt(on['prompts'])} prompts, {fmt(on['max_tokens'])} greedy tokens each, concurrency 1, "
+        f"device {on['device']}, vLLM {on.get('vllm_version') or ABSENT}.",
+        "",
+    ]
+    rows = [[r["name"], r["tokens_per_s"], r.get("speedup"), r.get("acceptance_length")] for r in on["runs"]]
+    out += _table(["run", "tokens/s", "speedup", "acceptance length"], rows)
+    for r in on["runs"]:
+        if r.get("per_position_acceptance"):
+            out += [f"Per-position acceptance, {r['name']}:", "",
+                    *_table(["position", "accepted / drafts"],
+                            [[str(k + 1), v] for k, v in enumerate(r["per_position_acceptance"])])]
+    if on.get("skipped"):
+        out += [f"Skipped: {on['skipped']}.", ""]
+    return out
+
+
+def render_card(report: dict) -> str:
+    drafter = report["drafter"]
+    lines = [
+        f"# DSpark drafter for {drafter['verifier']}",
+        "",
+        "A DSpark speculative-decoding drafter (semi-autoregressive block drafting with a confidence head) "
+        "in the speculators format that vLLM loads. Every figure below is taken from this evaluation's "
+        "`report.json`.",
+        "",
+        *_usage(drafter),
+        *_architecture(drafter),
+        *_data(report.get("data") or {}),
+        *_training(report.get("training") or {}),
+    ]
+    if report.get("offline"):
+        lines += _offline(report["offline"])
+    if report.get("calibration"):
+        lines += _calibration(report["calibration"])
+    if report.get("online"):
+        lines += _online(report["online"])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_card(report: dict, drafter_dir: str | Path) -> Path:
+    path = Path(drafter_dir) / CARD_FILE
+    tmp = path.with_name(f".{CARD_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(render_card(report))
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["CARD_FILE", "fmt", "render_card", "write_card"]

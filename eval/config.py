@@ -1,0 +1,117 @@
+"""Schemas of `conf/eval.yaml` and `conf/prune.yaml` (types and meaning; defaults live in the YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class OfflineConfig:
+    """Acceptance on the held-out store, computed from stored verifier states (no server)."""
+
+    enabled: bool
+    """Run the offline evaluation."""
+    max_samples: int | None
+    """Evaluate at most this many held-out samples, lowest sample ids first (null = all)."""
+    anchors_per_sample: int | None
+    """Anchors drawn per sample (null = every position whose token and next token are trained)."""
+    anchors_per_forward: int
+    """Blocks per draft forward pass (bounds memory: ~ blocks × block_size × vocabulary floats)."""
+    seed: int
+    """Seed of the anchor draw when `anchors_per_sample` is set."""
+    length_buckets: list[int]
+    """Edges of the sequence-length buckets (tokens per sample)."""
+    position_buckets: list[int]
+    """Edges of the anchor-position buckets (context tokens before the block)."""
+    device: str
+    """`auto` (cuda when present), `cpu` or `cuda`."""
+
+
+@dataclass
+class CalibrationConfig:
+    """Confidence-head quality and per-position sequential temperature scaling (STS)."""
+
+    enabled: bool
+    """Score the confidence head (drafts without one skip this)."""
+    fit_fraction: float
+    """Share of held-out samples the temperatures are fitted on; scores are reported on the rest."""
+    n_bins: int
+    """Equal-width bins of the ECE and the reliability curves."""
+    t_min: float
+    """Smallest temperature searched."""
+    t_max: float
+    """Largest temperature searched."""
+    save: bool
+    """Write the fitted temperatures to `<drafter>/calibration.json`."""
+
+
+@dataclass
+class OnlineConfig:
+    """Served speed: the verifier in vLLM with and without the drafter, greedy, concurrency 1."""
+
+    enabled: bool
+    """Run the online benchmark (starts vLLM servers)."""
+    prompts_file: str | None
+    """jsonl with `input_ids` (token ids) or `prompt` (text) per row; null = prompts of the held-out data."""
+    num_prompts: int
+    """Prompts sent (the first ones, in file / sample-id order)."""
+    max_tokens: int
+    """Tokens generated per prompt (min_tokens = max_tokens, ignore_eos: every run decodes the same count)."""
+    warmup_requests: int
+    """Requests sent before measuring (compilation, caches)."""
+    methods: list[str]
+    """Speculative methods benchmarked against the baseline: `dspark` (the drafter), or model-free
+    references such as `ngram` (prompt lookup)."""
+    num_speculative_tokens: list[int] | None
+    """Values swept (one server per method and value); null = the drafter's block size."""
+    adaptive: bool
+    """Also run DSpark with `enable_adaptive_verification` (uses the confidence head)."""
+    method_config: dict[str, dict[str, Any]]
+    """Extra `--speculative-config` keys per method (e.g. `ngram: {prompt_lookup_max: 4}`)."""
+    require_cuda_for_draft: bool
+    """Skip the DSpark runs without CUDA (vLLM serves DSpark only on its GPU runner)."""
+    max_model_len: int
+    """Context length given to the servers."""
+    dtype: str
+    """dtype the servers run the verifier in."""
+    request_timeout_s: float
+    """Timeout of one completion request."""
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation stage: offline acceptance, calibration, online speed, report and model card."""
+
+    store: str
+    """Shard store of the held-out split."""
+    data_dir: str
+    """Tokenized dataset dir (sources of held-out samples, prompts, summary.json); may be absent."""
+    out_dir: str
+    """Where report.json and the plots go."""
+    train_run_dir: str | None
+    """Training run dir (metrics.jsonl, config); null = the drafter's parent directory."""
+    write_card: bool
+    """Write README.md (model card) into the drafter dir."""
+    offline: OfflineConfig
+    calibration: CalibrationConfig
+    online: OnlineConfig
+
+
+@dataclass
+class PruneConfig:
+    """Post-hoc pruning of a drafter's vocabulary to the tokens the verifier emits."""
+
+    out: str
+    """Directory of the pruned drafter."""
+    counts: str
+    """Token counts: a `.npy` int64 [V], a tokenized `.jsonl` (input_ids, loss_mask) or a shard store."""
+    draft_vocab_size: int | None
+    """Tokens kept (most frequent first); null = every token seen at least `min_count` times."""
+    min_count: int
+    """With `draft_vocab_size: null`, the fewest occurrences for a token to be kept."""
+    evaluate: bool
+    """Measure τ of the original and the pruned drafter on the held-out store (eval.offline settings)."""
+
+
+__all__ = ["CalibrationConfig", "EvalConfig", "OfflineConfig", "OnlineConfig", "PruneConfig"]

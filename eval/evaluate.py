@@ -1,0 +1,139 @@
+"""The evaluation stage end to end: offline acceptance, calibration, online speed, report, card."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.config import TargetConfig
+from dspark.export import load_drafter
+from dspark.model import DSparkDraft
+from dspark.store import ShardStore
+from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.verifier import VerifierHead
+from eval import calibration as cal
+from eval.card import write_card
+from eval.config import CalibrationConfig, EvalConfig
+from eval.offline import (
+    BlockTable,
+    check_compatible,
+    check_store_target,
+    evaluate_blocks,
+    held_out_refs,
+    open_heldout_store,
+    pick_device,
+    read_sources,
+    summarize,
+)
+from eval.online import load_prompts, run_online
+from eval.report import read_report, write_plots, write_report
+from eval.run_info import data_info, drafter_info, training_info
+from extract.config import ServerConfig
+
+CALIBRATION_FILE = "calibration.json"
+CALIBRATION_LABEL = "analytic prefix acceptance Π_{j≤k} α_j (no Bernoulli sampling)"
+
+
+def load_checked(drafter_dir: str | Path, target: TargetConfig,
+                 store_url: str) -> tuple[DSparkDraft, VerifierHead, ShardStore, Path]:
+    """Drafter, verifier head and held-out store, refused with a clear error when they do not belong together."""
+    store = open_heldout_store(store_url)
+    check_store_target(store, target.name_or_path)
+    target_dir = resolve_target_dir(target.name_or_path, target.revision)
+    draft = load_drafter(drafter_dir)
+    check_compatible(drafter_dir, draft, store, target.name_or_path, target_dir, tokenizer_sha256(target_dir))
+    verifier = VerifierHead.from_pretrained(target_dir)
+    draft.load_verifier(verifier)
+    return draft, verifier, store, target_dir
+
+
+def split_samples(sample_ids: np.ndarray, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint (fit, scored) sample-id sets; with a single sample both are that sample."""
+    ids = np.unique(sample_ids)
+    if ids.size < 2:
+        return ids, ids
+    if not 0.0 < fit_fraction < 1.0:
+        raise ValueError(f"eval.calibration.fit_fraction must be in (0, 1), got {fit_fraction}")
+    ids = np.random.default_rng(seed).permutation(ids)
+    n_fit = min(max(1, round(fit_fraction * ids.size)), ids.size - 1)
+    return np.sort(ids[:n_fit]), np.sort(ids[n_fit:])
+
+
+def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) -> dict | None:
+    """STS temperatures fitted on part of the held-out samples; raw vs scaled scores on the rest."""
+    if table.conf_logits is None:
+        return None
+    fit_ids, scored_ids = split_samples(table.sample_id, cfg.fit_fraction, seed)
+    fit, scored = table.select(np.isin(table.sample_id, fit_ids)), table.select(np.isin(table.sample_id, scored_ids))
+    temps = cal.fit_sequential_temperatures(fit.conf_logits, fit.alpha, fit.slot_mask, cfg.t_min, cfg.t_max)
+    return {
+        "label": CALIBRATION_LABEL,
+        "objective": "nll",
+        "temperatures": temps,
+        "fit_samples": int(fit_ids.size),
+        "scored_samples": int(scored_ids.size),
+        "scored_on_fit_samples": bool(np.array_equal(fit_ids, scored_ids)),
+        "before": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, None, cfg.n_bins),
+        "after": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, temps, cfg.n_bins),
+    }
+
+
+def offline_sections(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -> tuple[dict, dict | None, ShardStore]:
+    """The offline and calibration report sections (and the store, for the data section)."""
+    draft, verifier, store, _ = load_checked(drafter_dir, target, cfg.store)
+    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, cfg.offline.max_samples), cfg.offline,
+                            pick_device(cfg.offline.device))
+    offline = summarize(table, cfg.offline, read_sources(cfg.data_dir))
+    calibration = calibration_section(table, cfg.calibration, cfg.offline.seed) if cfg.calibration.enabled else None
+    if calibration is not None and cfg.calibration.save:
+        cal.save_calibration(drafter_dir / CALIBRATION_FILE, calibration["temperatures"],
+                             {"objective": "nll", "label": CALIBRATION_LABEL, "fit_samples": calibration["fit_samples"],
+                              "ece_before": calibration["before"]["pooled"]["ece"],
+                              "ece_after": calibration["after"]["pooled"]["ece"]})
+    del draft, verifier
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the servers of the online benchmark need the memory
+    return offline, calibration, store
+
+
+def publish(report: dict, out_dir: Path) -> dict:
+    """Write the plots and report.json; returns the report as written (JSON-normalized)."""
+    report["plots"] = write_plots(report, out_dir)
+    return read_report(write_report(report, out_dir))
+
+
+def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalConfig, server: ServerConfig) -> dict:
+    """Run every enabled part; write report.json, plots and (optionally) the model card. Returns the report.
+
+    The report is written once the offline part is done too, so a failing online benchmark
+    does not lose it.
+    """
+    drafter_dir = Path(drafter_dir)
+    info = drafter_info(drafter_dir)
+    out_dir = Path(cfg.out_dir)
+    report: dict = {"drafter": info, "target": {"name": target.name, "name_or_path": target.name_or_path},
+                    "training": training_info(Path(cfg.train_run_dir or drafter_dir.parent), drafter_dir)}
+    store = None
+    if cfg.offline.enabled:
+        report["offline"], report["calibration"], store = offline_sections(drafter_dir, target, cfg)
+    report["data"] = data_info(cfg.data_dir, store)
+    report = publish(report, out_dir)
+    if cfg.online.enabled:
+        target_dir = resolve_target_dir(target.name_or_path, target.revision)
+        prompts = load_prompts(cfg.online.prompts_file, cfg.data_dir, cfg.online.num_prompts,
+                               cfg.online.max_model_len - cfg.online.max_tokens)
+        report["online"] = run_online(target_dir, drafter_dir, info["block_size"], prompts, cfg.online, server,
+                                      out_dir / "servers", cuda=torch.cuda.is_available())
+        report = publish(report, out_dir)
+    if cfg.write_card:
+        # rendered from the report as written, so the card shows exactly the report's figures
+        write_card(report, drafter_dir)
+    return report
+
+
+__all__ = ["CALIBRATION_FILE", "calibration_section", "evaluate_drafter", "load_checked", "offline_sections",
+           "publish", "split_samples"]

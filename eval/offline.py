@@ -1,0 +1,275 @@
+"""Offline acceptance of a drafter on the held-out shard store.
+
+For every evaluated block (anchor p, slots k = 0..B−1) the draft runs on the stored aux
+hidden states exactly as in training, and each slot is scored against the verifier's
+full-vocabulary softmax (temperature 1) at position p+k, computed from the stored final
+hidden state: α_k = Σ_v min(q_k, p_k). A reduced draft vocabulary is counted honestly:
+target mass outside it is rejected (see `dspark.metrics`). The Markov head's previous
+token is the data token (teacher forcing): the data is the verifier's own output, so this
+is the token the verifier would have accepted.
+
+Results are kept per block (`BlockTable`), so any grouping (sequence-length bucket, anchor
+position bucket, data source) and the confidence calibration read the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from dspark.anchors import anchor_candidates, sample_anchors, slot_targets
+from dspark.metrics import AcceptanceStats, acceptance
+from dspark.model import DSparkDraft
+from dspark.store import SampleRef, ShardStore, bits_to_tensor
+from dspark.verifier import VerifierHead
+from eval.config import OfflineConfig
+
+
+@dataclass
+class BlockTable:
+    """Per-block results; row i is one block (one anchor of one held-out sample)."""
+
+    alpha: np.ndarray
+    """float64 [n, B] acceptance of each slot given the earlier ones (0 where unscored)."""
+    slot_mask: np.ndarray
+    """bool [n, B] scored slots (a contiguous prefix per block)."""
+    conf_logits: np.ndarray | None
+    """float64 [n, B] confidence-head logits, or None for a draft without the head."""
+    sample_id: np.ndarray
+    """int64 [n] held-out sample of the block."""
+    anchor_pos: np.ndarray
+    """int64 [n] anchor position p (context tokens before the block's first prediction)."""
+    seq_len: np.ndarray
+    """int64 [n] length of the block's sample."""
+
+    def select(self, rows: np.ndarray) -> BlockTable:
+        return BlockTable(
+            self.alpha[rows], self.slot_mask[rows], None if self.conf_logits is None else self.conf_logits[rows],
+            self.sample_id[rows], self.anchor_pos[rows], self.seq_len[rows],
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.alpha.shape[0])
+
+
+def open_heldout_store(url: str) -> ShardStore:
+    """The held-out store, or a clear error when there is none (or it is empty or not held out)."""
+    try:
+        store = ShardStore.open(url)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"eval.store={url}: no held-out shard store there ({err}); extract the eval split first "
+            f"(make extract) or point eval.store at one"
+        ) from err
+    split = store.attrs.get("split")
+    if split is not None and split != "eval":
+        raise ValueError(f"eval.store={url} holds the {split!r} split, not held-out data (split 'eval')")
+    if not store.manifest["shards"]:
+        raise ValueError(f"eval.store={url} has no committed samples: nothing to evaluate")
+    return store
+
+
+def drafter_verifier_name(drafter_dir: str | Path) -> str:
+    """The verifier a drafter was trained for (`speculators_config.verifier.name_or_path`)."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    try:
+        return config["speculators_config"]["verifier"]["name_or_path"]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{drafter_dir}/config.json: no speculators_config.verifier.name_or_path") from err
+
+
+def _same_verifier(name: str, target_name_or_path: str, target_dir: Path) -> bool:
+    if name == target_name_or_path:
+        return True
+    path = Path(name).expanduser()
+    return path.is_dir() and path.resolve() == Path(target_dir).resolve()
+
+
+def check_store_target(store: ShardStore, target_name_or_path: str) -> None:
+    """Refuse a held-out store extracted from another verifier than the configured target."""
+    stored = store.target.get("name_or_path")
+    if stored != target_name_or_path:
+        raise ValueError(
+            f"eval.store={store.url} holds states of {stored!r}, but target.name_or_path is "
+            f"{target_name_or_path!r}; pick the matching target=... (or store)"
+        )
+
+
+def check_compatible(drafter_dir: str | Path, draft: DSparkDraft, store: ShardStore,
+                     target_name_or_path: str, target_dir: Path, target_tokenizer_sha256: str) -> None:
+    """Refuse (ValueError naming what differs) a drafter, store and target that do not belong together."""
+    check_store_target(store, target_name_or_path)
+    stored = store.target
+    if store.attrs.get("tokenizer_sha256") != target_tokenizer_sha256:
+        raise ValueError(f"eval.store={store.url}: tokenizer_sha256 differs from the tokenizer of {target_dir}")
+    name = drafter_verifier_name(drafter_dir)
+    if not _same_verifier(name, target_name_or_path, target_dir):
+        raise ValueError(
+            f"drafter {drafter_dir} was trained for verifier {name!r}, but the held-out store {store.url} "
+            f"holds states of {stored.get('name_or_path')!r} ({target_dir})"
+        )
+    if draft.layer_config.hidden_size != stored["hidden_size"]:
+        raise ValueError(f"drafter {drafter_dir}: hidden_size {draft.layer_config.hidden_size} != the store's "
+                         f"{stored['hidden_size']}")
+    missing = sorted(set(draft.aux_layer_ids) - set(stored["layer_ids"][:-1]))
+    if missing:
+        raise ValueError(f"drafter {drafter_dir} reads aux layers {draft.aux_layer_ids}; the store "
+                         f"{store.url} has no layer(s) {missing} (stored: {stored['layer_ids']})")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("eval.offline.device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def held_out_refs(store: ShardStore, max_samples: int | None) -> list[SampleRef]:
+    """The samples evaluated: lowest sample ids first, so reruns and other drafters see the same ones."""
+    refs = sorted(store.index(), key=lambda r: r.sample_id)
+    return refs if max_samples is None else refs[:max_samples]
+
+
+def _anchors(loss_mask: torch.Tensor, sample_id: int, cfg: OfflineConfig) -> torch.Tensor:
+    """Anchor positions [A] of one sample: every candidate, or a seeded draw per sample."""
+    if cfg.anchors_per_sample is None:
+        return anchor_candidates(loss_mask[None])[0].nonzero().flatten()
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([cfg.seed, sample_id]).generate_state(1)[0]))
+    anchors, valid = sample_anchors(loss_mask[None], cfg.anchors_per_sample, gen)
+    return anchors[0][valid[0]]
+
+
+@torch.no_grad()
+def evaluate_blocks(draft: DSparkDraft, verifier: VerifierHead, store: ShardStore, refs: list[SampleRef],
+                    cfg: OfflineConfig, device: torch.device, desc: str = "offline eval") -> BlockTable:
+    """Score every block of the given held-out samples."""
+    draft = draft.to(device).eval()
+    verifier = verifier.to(device)
+    layer_ids = list(store.target["layer_ids"])
+    aux_index = [layer_ids.index(i) for i in draft.aux_layer_ids]
+    d2t = None if draft.d2t is None else draft.d2t.to(device)
+    has_conf = draft.confidence_head is not None
+    parts: dict[str, list] = {k: [] for k in ("alpha", "mask", "conf", "sid", "pos", "len")}
+    for ref in tqdm(refs, desc=desc, unit="sample", dynamic_ncols=True):
+        sample = store.read(ref)
+        hidden = bits_to_tensor(sample.hidden).to(device=device, dtype=torch.float32)  # [T, L, H]
+        seq_len = hidden.shape[0]
+        context = hidden[:, aux_index].reshape(1, seq_len, -1)
+        final = hidden[:, -1]
+        ids = torch.from_numpy(sample.token_ids.astype(np.int64))[None].to(device)
+        mask = torch.from_numpy(sample.loss_mask.astype(bool))[None].to(device)
+        all_anchors = _anchors(mask[0].cpu(), ref.sample_id, cfg).to(device)
+        for start in range(0, all_anchors.numel(), cfg.anchors_per_forward):
+            anchors = all_anchors[start:start + cfg.anchors_per_forward][None]
+            valid = torch.ones_like(anchors, dtype=torch.bool)
+            _, target_pos, slot_mask = slot_targets(ids, mask, anchors, valid, draft.block_size)
+            h = draft(context, ids, anchors, valid)[0]  # [A, B, H]
+            prev = draft.block_tokens(ids, anchors)[0]  # [A, B]
+            q = F.softmax(draft.draft_logits(h, prev).float(), dim=-1)
+            p = F.softmax(verifier.logits(final[target_pos[0]]).float(), dim=-1)
+            alpha = acceptance(q, p, d2t) * slot_mask[0]
+            parts["alpha"].append(alpha.double().cpu())
+            parts["mask"].append(slot_mask[0].cpu())
+            if has_conf:
+                parts["conf"].append(draft.confidence_logits(h, prev).double().cpu())
+            n = anchors.shape[1]
+            parts["sid"].append(torch.full((n,), ref.sample_id))
+            parts["pos"].append(anchors[0].cpu())
+            parts["len"].append(torch.full((n,), seq_len))
+    if not parts["alpha"]:
+        raise ValueError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
+    cat = {k: torch.cat(v).numpy() for k, v in parts.items() if v}
+    return BlockTable(
+        alpha=cat["alpha"], slot_mask=cat["mask"].astype(bool), conf_logits=cat.get("conf"),
+        sample_id=cat["sid"].astype(np.int64), anchor_pos=cat["pos"].astype(np.int64),
+        seq_len=cat["len"].astype(np.int64),
+    )
+
+
+def acceptance_summary(alpha: np.ndarray, slot_mask: np.ndarray) -> dict:
+    """τ, per-position conditional (mean α_k) and cumulative (mean Π_{j≤k} α_j) acceptance."""
+    stats = AcceptanceStats.from_alpha(torch.from_numpy(alpha), torch.from_numpy(slot_mask))
+    return {
+        "blocks": int(stats.slots[0]),
+        "tau": float(stats.tau()),
+        "conditional": stats.conditional().tolist(),
+        "cumulative": stats.cumulative().tolist(),
+        "scored_slots": stats.slots.long().tolist(),
+    }
+
+
+def bucket_labels(values: np.ndarray, edges: list[int]) -> np.ndarray:
+    """'<e0', 'e0-e1', ..., '>=eN' labels of integer values for ascending edges."""
+    edges = sorted(edges)
+    names = [f"<{edges[0]}"] + [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])] + [f">={edges[-1]}"]
+    return np.array(names, dtype=object)[np.searchsorted(edges, values, side="right")]
+
+
+def grouped_summary(table: BlockTable, labels: np.ndarray) -> dict[str, dict]:
+    """`acceptance_summary` per distinct label, in order of first appearance."""
+    out = {}
+    for label in dict.fromkeys(labels.tolist()):
+        rows = labels == label
+        out[str(label)] = acceptance_summary(table.alpha[rows], table.slot_mask[rows])
+    return out
+
+
+def read_sources(data_dir: str | Path) -> dict[int, str]:
+    """sample_id -> source name from the tokenized held-out set (`eval.jsonl`), if present."""
+    path = Path(data_dir) / "eval.jsonl"
+    if not path.is_file():
+        return {}
+    sources = {}
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                sources[int(row["sample_id"])] = str(row.get("source", "unknown"))
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}:{line_no}: not a tokenized sample row ({err})") from err
+    return sources
+
+
+def summarize(table: BlockTable, cfg: OfflineConfig, sources: dict[int, str]) -> dict:
+    """The offline section of the report: overall and per bucket / source."""
+    order = np.argsort(table.seq_len, kind="stable")
+    by_length = grouped_summary(table.select(order), bucket_labels(table.seq_len[order], cfg.length_buckets))
+    order = np.argsort(table.anchor_pos, kind="stable")
+    by_position = grouped_summary(table.select(order), bucket_labels(table.anchor_pos[order], cfg.position_buckets))
+    out = {
+        "samples": int(np.unique(table.sample_id).size),
+        "overall": acceptance_summary(table.alpha, table.slot_mask),
+        "by_length": by_length,
+        "by_anchor_position": by_position,
+    }
+    if sources:
+        labels = np.array([sources.get(int(s), "unknown") for s in table.sample_id], dtype=object)
+        out["by_source"] = grouped_summary(table, labels)
+    return out
+
+
+__all__ = [
+    "BlockTable",
+    "acceptance_summary",
+    "bucket_labels",
+    "check_compatible",
+    "check_store_target",
+    "drafter_verifier_name",
+    "evaluate_blocks",
+    "grouped_summary",
+    "held_out_refs",
+    "open_heldout_store",
+    "pick_device",
+    "read_sources",
+    "summarize",
+]

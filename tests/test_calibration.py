@@ -1,0 +1,116 @@
+"""Confidence-quality scores against naive implementations, and STS on a miscalibrated head."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from eval import calibration as cal
+
+
+def naive_ece(pred, label, n_bins):
+    total = 0.0
+    for b in range(n_bins):
+        lo, hi = b / n_bins, (b + 1) / n_bins
+        idx = [i for i, p in enumerate(pred) if (lo <= p < hi) or (b == n_bins - 1 and p == 1.0)]
+        if idx:
+            gap = abs(sum(pred[i] for i in idx) / len(idx) - sum(label[i] for i in idx) / len(idx))
+            total += len(idx) / len(pred) * gap
+    return total
+
+
+def naive_soft_auroc(score, label):
+    num = den = 0.0
+    for i, j in itertools.product(range(len(score)), repeat=2):
+        w = label[i] * (1 - label[j])
+        den += w
+        num += w * (1.0 if score[i] > score[j] else 0.5 if score[i] == score[j] else 0.0)
+    return num / den
+
+
+def test_auroc_hand_example():
+    # the classic example: one positive ranked below one negative out of four pairs
+    assert cal.auroc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == pytest.approx(0.75)
+    # ties count one half
+    assert cal.auroc(np.array([0.5, 0.5]), np.array([1, 0])) == pytest.approx(0.5)
+    assert np.isnan(cal.auroc(np.array([0.2, 0.3]), np.array([1, 1])))
+
+
+def test_brier_ece_hand_example():
+    pred, label = np.array([0.9, 0.9, 0.2, 0.2]), np.array([1.0, 0.0, 0.0, 0.0])
+    assert cal.brier(pred, label) == pytest.approx((0.01 + 0.81 + 0.04 + 0.04) / 4)
+    # two occupied bins: |0.9 − 0.5| and |0.2 − 0| with half the mass each
+    assert cal.ece(pred, label, n_bins=10) == pytest.approx(0.5 * 0.4 + 0.5 * 0.2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scores_match_naive(seed):
+    rng = np.random.default_rng(seed)
+    pred = rng.uniform(size=60).round(2)  # rounding creates ties
+    pred[:3] = [0.0, 1.0, 0.1]  # bin edges
+    label = rng.uniform(size=60)
+    assert cal.ece(pred, label, 7) == pytest.approx(naive_ece(pred.tolist(), label.tolist(), 7))
+    assert cal.auroc(pred, label) == pytest.approx(naive_soft_auroc(pred.tolist(), label.tolist()))
+    assert cal.nll(pred, label) == pytest.approx(
+        np.mean([-(y * np.log(np.clip(p, 1e-7, 1 - 1e-7)) + (1 - y) * np.log(1 - np.clip(p, 1e-7, 1 - 1e-7))) for p, y in zip(pred, label)])
+    )
+
+
+def test_prefix_survival_naive():
+    rng = np.random.default_rng(3)
+    values = rng.uniform(size=(5, 4))
+    mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]], bool)
+    got = cal.prefix_survival(values, mask)
+    for i in range(5):
+        running = 1.0
+        for k in range(4):
+            running *= values[i, k]
+            assert got[i, k] == pytest.approx(running if mask[i, k] else 0.0)
+
+
+def miscalibrated_case(n=4000, blocks=4, sharpen=3.0, seed=0):
+    """True per-slot acceptance sigmoid(z*); the head reports sharpen·z* (overconfident)."""
+    rng = np.random.default_rng(seed)
+    z_true = rng.normal(0.8, 1.5, size=(n, blocks))
+    alpha = cal.sigmoid(z_true)
+    lengths = rng.integers(1, blocks + 1, size=n)
+    mask = np.arange(blocks)[None, :] < lengths[:, None]
+    return sharpen * z_true, alpha, mask
+
+
+def test_sts_recovers_temperature_and_lowers_ece():
+    z, alpha, mask = miscalibrated_case()
+    before = cal.confidence_quality(z, alpha, mask, None, n_bins=10)
+    temps = cal.fit_sequential_temperatures(z, alpha, mask, t_min=0.05, t_max=20.0)
+    after = cal.confidence_quality(z, alpha, mask, temps, n_bins=10)
+    assert temps == pytest.approx([3.0] * 4, rel=0.02)
+    assert after["pooled"]["ece"] < 0.2 * before["pooled"]["ece"]
+    for k in range(4):
+        assert after["per_position"][k]["ece"] < before["per_position"][k]["ece"]
+        assert after["per_position"][k]["brier"] <= before["per_position"][k]["brier"]
+    # a monotone rescaling per position keeps position-1 ranking: AUROC unchanged there
+    assert after["per_position"][0]["auroc"] == pytest.approx(before["per_position"][0]["auroc"])
+
+
+def test_sts_is_sequential():
+    """Position 2's temperature is fitted given position 1's: a head wrong only at position 1
+    gets T_1 ≠ 1 and T_2 ≈ 1."""
+    z, alpha, mask = miscalibrated_case(sharpen=1.0, seed=4)
+    z = z.copy()
+    z[:, 0] *= 0.25  # underconfident at position 1 only
+    temps = cal.fit_sequential_temperatures(z, alpha, mask, t_min=0.05, t_max=20.0)
+    assert temps[0] == pytest.approx(0.25, rel=0.03)
+    assert temps[1:] == pytest.approx([1.0] * 3, rel=0.03)
+
+
+def test_calibration_file_roundtrip_and_errors(tmp_path):
+    path = cal.save_calibration(tmp_path / "calibration.json", [1.5, 2.0], {"objective": "nll"})
+    assert cal.load_calibration(path) == [1.5, 2.0]
+    path.write_text(json.dumps({"temperatures": [1.0, -2.0]}))
+    with pytest.raises(ValueError, match="temperatures"):
+        cal.load_calibration(path)
+    with pytest.raises(ValueError, match="3 temperatures for 2"):
+        cal.scaled_confidence(np.zeros((1, 2)), [1.0, 1.0, 1.0])

@@ -1,0 +1,247 @@
+"""Offline evaluation: acceptance vs a naive computation, groupings, the stage end to end, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from eval_fixtures import (
+    AUX_LAYER_IDS,
+    SOURCES,
+    build_setup,
+    compose_cfg,
+    configs,
+    export_tiny_drafter,
+    store_target,
+)
+
+from dspark.store import ShardStore, bits_to_tensor
+from eval.__main__ import headline, run
+from eval.evaluate import calibration_section, load_checked, split_samples
+from eval.offline import (
+    acceptance_summary,
+    bucket_labels,
+    evaluate_blocks,
+    held_out_refs,
+    open_heldout_store,
+    summarize,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return build_setup(tmp_path_factory.mktemp("eval"))
+
+
+@pytest.fixture(scope="module")
+def reduced_drafter(setup):
+    return export_tiny_drafter(setup.verifier_dir, setup.root / "reduced" / "drafter", draft_vocab_size=512)
+
+
+def offline_cfg(setup, *overrides):
+    return configs(compose_cfg(setup, *overrides))
+
+
+def naive_block_alpha(draft, verifier, sample, anchor: int, layer_ids: list[int]) -> list[float]:
+    """α of each slot of one block: a forward with this one anchor, then numpy over the full vocabulary."""
+    hidden = bits_to_tensor(sample.hidden).float()
+    ctx = hidden[:, [layer_ids.index(i) for i in AUX_LAYER_IDS]].reshape(1, hidden.shape[0], -1)
+    ids = torch.from_numpy(sample.token_ids.astype(np.int64))[None]
+    anchors = torch.tensor([[anchor]])
+    with torch.no_grad():
+        h = draft(ctx, ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
+        logits = draft.draft_logits(h, draft.block_tokens(ids, anchors)[0])[0].double().numpy()
+        target = verifier.logits(hidden[:, -1]).double().numpy()
+    out = []
+    mask = sample.loss_mask.astype(bool)
+    for k in range(draft.block_size):
+        pos = anchor + k
+        if pos + 1 >= len(mask) or not mask[pos + 1]:
+            break  # the block ends at the first unscored slot
+        q_draft = np.exp(logits[k] - logits[k].max())
+        q_draft /= q_draft.sum()
+        q = np.zeros(target.shape[1])
+        vocab_ids = np.arange(q_draft.size) if draft.d2t is None else (np.arange(q_draft.size) + draft.d2t.numpy())
+        q[vocab_ids] = q_draft  # the draft puts no mass outside its vocabulary
+        p = np.exp(target[pos] - target[pos].max())
+        p /= p.sum()
+        out.append(float(np.minimum(q, p).sum()))
+    return out
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced-vocab"])
+def test_alpha_matches_naive(setup, reduced_drafter, reduced):
+    target, cfg = offline_cfg(setup, "eval.offline.anchors_per_forward=5", "eval.offline.anchors_per_sample=null")
+    drafter = reduced_drafter if reduced else setup.drafter
+    draft, verifier, store, _ = load_checked(drafter, target, cfg.store)
+    refs = held_out_refs(store, max_samples=2)
+    table = evaluate_blocks(draft, verifier, store, refs, cfg.offline, torch.device("cpu"))
+    layer_ids = store.target["layer_ids"]
+    checked = 0
+    for ref in refs:
+        sample = store.read(ref)
+        rows = np.flatnonzero(table.sample_id == ref.sample_id)
+        # every candidate anchor is evaluated: token and next token trained
+        mask = sample.loss_mask.astype(bool)
+        assert table.anchor_pos[rows].tolist() == np.flatnonzero(mask[:-1] & mask[1:]).tolist()
+        for row in rows[:: max(1, len(rows) // 6)]:
+            naive = naive_block_alpha(draft, verifier, sample, int(table.anchor_pos[row]), layer_ids)
+            assert table.slot_mask[row].sum() == len(naive)
+            np.testing.assert_allclose(table.alpha[row, : len(naive)], naive, rtol=1e-4, atol=1e-6)
+            assert (table.alpha[row, len(naive):] == 0).all()
+            checked += 1
+    assert checked >= 8
+    if reduced:
+        # honest: data tokens outside the draft vocabulary are rejected mass, so α stays
+        # below the verifier's probability of the draft vocabulary at that position
+        assert draft.d2t is not None and table.alpha.max() < 1.0
+
+
+def test_reduced_vocab_not_renormalized(setup, reduced_drafter):
+    """The reduced draft's α never exceeds the target mass inside its vocabulary."""
+    target, cfg = offline_cfg(setup)
+    draft, verifier, store, _ = load_checked(reduced_drafter, target, cfg.store)
+    ref = held_out_refs(store, 1)[0]
+    table = evaluate_blocks(draft, verifier, store, [ref], cfg.offline, torch.device("cpu"))
+    sample = store.read(ref)
+    with torch.no_grad():
+        p = torch.softmax(verifier.logits(bits_to_tensor(sample.hidden).float()[:, -1]).double(), -1)
+    inside = p[:, draft.target_ids].sum(-1).numpy()
+    for row in range(table.num_blocks):
+        for k in np.flatnonzero(table.slot_mask[row]):
+            assert table.alpha[row, k] <= inside[table.anchor_pos[row] + k] + 1e-6
+
+
+def test_summary_matches_naive_loops():
+    rng = np.random.default_rng(0)
+    alpha = rng.uniform(size=(50, 4))
+    lengths = rng.integers(1, 5, size=50)
+    mask = np.arange(4)[None] < lengths[:, None]
+    got = acceptance_summary(alpha * mask, mask)
+    tau, cum, cond, count = [], np.zeros(4), np.zeros(4), np.zeros(4)
+    for i in range(50):
+        running, t = 1.0, 1.0
+        for k in range(lengths[i]):
+            running *= alpha[i, k]
+            t += running
+            cum[k] += running
+            cond[k] += alpha[i, k]
+            count[k] += 1
+        tau.append(t)
+    assert got["tau"] == pytest.approx(np.mean(tau))
+    assert got["cumulative"] == pytest.approx((cum / count).tolist())
+    assert got["conditional"] == pytest.approx((cond / count).tolist())
+    assert got["blocks"] == 50 and got["scored_slots"] == count.astype(int).tolist()
+
+
+def test_bucket_labels():
+    labels = bucket_labels(np.array([0, 63, 64, 255, 256, 5000]), [64, 256])
+    assert labels.tolist() == ["<64", "<64", "64-255", "64-255", ">=256", ">=256"]
+
+
+def test_groupings_partition_the_blocks(setup):
+    target, cfg = offline_cfg(setup, "eval.offline.length_buckets=[40,60]", "eval.offline.position_buckets=[16]")
+    draft, verifier, store, _ = load_checked(setup.drafter, target, cfg.store)
+    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, None), cfg.offline, torch.device("cpu"))
+    sources = {i: SOURCES[i % 2] for i in range(8)}
+    section = summarize(table, cfg.offline, sources)
+    overall = section["overall"]
+    assert section["samples"] == 8
+    for key in ("by_length", "by_anchor_position", "by_source"):
+        groups = section[key]
+        assert sum(g["blocks"] for g in groups.values()) == overall["blocks"]
+        # τ of the whole is the block-weighted mean of the groups' τ
+        assert sum(g["tau"] * g["blocks"] for g in groups.values()) / overall["blocks"] == pytest.approx(overall["tau"])
+    assert set(section["by_source"]) == set(SOURCES)
+    assert list(section["by_anchor_position"]) == ["<16", ">=16"]
+
+
+def test_sampled_anchors_are_reproducible(setup):
+    target, cfg = offline_cfg(setup, "eval.offline.anchors_per_sample=5", "eval.offline.seed=3")
+    draft, verifier, store, _ = load_checked(setup.drafter, target, cfg.store)
+    refs = held_out_refs(store, 3)
+    a = evaluate_blocks(draft, verifier, store, refs, cfg.offline, torch.device("cpu"))
+    b = evaluate_blocks(draft, verifier, store, refs, cfg.offline, torch.device("cpu"))
+    assert a.num_blocks == 15
+    np.testing.assert_array_equal(a.anchor_pos, b.anchor_pos)
+    np.testing.assert_array_equal(a.alpha, b.alpha)
+
+
+def test_drafter_without_confidence_head(setup, tmp_path):
+    drafter = export_tiny_drafter(setup.verifier_dir, tmp_path / "drafter", confidence_head=False)
+    target, cfg = offline_cfg(setup)
+    draft, verifier, store, _ = load_checked(drafter, target, cfg.store)
+    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, 2), cfg.offline, torch.device("cpu"))
+    assert table.conf_logits is None and calibration_section(table, cfg.calibration, seed=0) is None
+
+
+def test_calibration_split_is_disjoint():
+    fit, scored = split_samples(np.array([5, 5, 1, 9, 3, 3, 7]), fit_fraction=0.5, seed=0)
+    assert set(fit).isdisjoint(scored) and set(fit) | set(scored) == {1, 3, 5, 7, 9}
+    assert len(fit) == 2  # round(0.5 * 5)
+    with pytest.raises(ValueError, match="fit_fraction"):
+        split_samples(np.array([1, 2]), fit_fraction=1.0, seed=0)
+
+
+def test_stage_end_to_end(setup):
+    cfg = compose_cfg(setup)
+    report = run(cfg)
+    out = setup.root / "eval"
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["offline"]["overall"]["tau"] == pytest.approx(report["offline"]["overall"]["tau"])
+    assert 1.0 <= report["offline"]["overall"]["tau"] <= 1.0 + 4
+    assert set(report["offline"]["by_source"]) == set(SOURCES)
+    for name in ("acceptance_by_position.png", "tau_by_bucket.png", "training.png", "calibration_reliability.png"):
+        assert name in report["plots"]
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cal = json.loads((setup.drafter / "calibration.json").read_text())
+    assert cal["temperatures"] == pytest.approx(report["calibration"]["temperatures"])
+    assert len(cal["temperatures"]) == 4 and all(t > 0 for t in cal["temperatures"])
+    assert report["calibration"]["fit_samples"] + report["calibration"]["scored_samples"] == 8
+    assert report["training"]["steps"] == 20 and len(report["training"]["curves"]["train loss"]) == 20
+    assert report["data"]["heldout_store"]["samples"] == 8
+    assert (setup.drafter / "README.md").is_file()
+    assert "offline τ" in headline(report)
+
+
+# ------------------------------------------------------------------------------------
+# bad input
+# ------------------------------------------------------------------------------------
+
+
+def test_drafter_for_another_verifier(setup, tmp_path):
+    other = export_tiny_drafter(setup.verifier_dir, tmp_path / "drafter", verifier_name="Qwen/Qwen3-8B")
+    target, cfg = offline_cfg(setup)
+    with pytest.raises(ValueError, match="trained for verifier 'Qwen/Qwen3-8B'"):
+        load_checked(other, target, cfg.store)
+
+
+def test_store_of_another_target(setup, tmp_path):
+    target, cfg = offline_cfg(setup, "target.name_or_path=Qwen/Qwen3-0.6B")
+    with pytest.raises(ValueError, match="holds states of"):
+        load_checked(setup.drafter, target, cfg.store)
+
+
+def test_missing_heldout_store(setup, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no held-out shard store"):
+        open_heldout_store(str(tmp_path / "store" / "eval"))
+    cfg = compose_cfg(setup, f"eval.store={tmp_path / 'nowhere'}")
+    with pytest.raises(FileNotFoundError, match="eval.store="):
+        run(cfg)
+
+
+def test_store_not_held_out_or_empty(setup, tmp_path):
+    target = store_target(setup.verifier_dir)
+    empty = ShardStore.create_or_open(tmp_path / "empty", target, "x" * 64)
+    with pytest.raises(ValueError, match="no committed samples"):
+        open_heldout_store(empty.url)
+    train = ShardStore.create_or_open(tmp_path / "train", target, "x" * 64, extra_attrs={"split": "train"})
+    with pytest.raises(ValueError, match="'train' split, not held-out"):
+        open_heldout_store(train.url)
+
+
+def test_missing_drafter(setup, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an exported drafter"):
+        run(compose_cfg(setup, f"drafter={tmp_path}"))
