@@ -1,0 +1,77 @@
+"""`python -m eval.serve drafter=<dir>` (make serve DRAFTER=...): serve the verifier with the drafter.
+
+Runs the one vLLM lifecycle (`extract.server.VLLMServer`) in the foreground: the verifier
+with `--speculative-config {"method": "dspark", "model": <drafter>}` on 127.0.0.1, until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.config import TargetConfig, to_dataclass
+from dspark.targets import resolve_target_dir
+from extract.config import ServerConfig
+from extract.server import VLLMServer
+
+
+@dataclass
+class ServeConfig:
+    """The `serve` section of conf/serve.yaml."""
+
+    port: int
+    """Port on 127.0.0.1 the OpenAI-compatible server listens on."""
+    num_speculative_tokens: int | None
+    """Draft tokens per step; null = the drafter's block size."""
+    adaptive_verification: bool
+    """Let vLLM stop a draft early where the confidence head predicts a rejection."""
+    run_dir: str
+    """Where the server log goes."""
+
+
+def speculative_config(drafter: Path, cfg: ServeConfig) -> dict:
+    """vLLM's `--speculative-config` for a DSpark drafter directory."""
+    if not (drafter / "config.json").is_file():
+        raise FileNotFoundError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
+    spec: dict = {"method": "dspark", "model": str(drafter)}
+    if cfg.num_speculative_tokens is not None:
+        if cfg.num_speculative_tokens < 1:
+            raise ValueError(f"serve.num_speculative_tokens must be >= 1, got {cfg.num_speculative_tokens}")
+        spec["num_speculative_tokens"] = cfg.num_speculative_tokens
+    if cfg.adaptive_verification:
+        spec["enable_adaptive_verification"] = True
+    return spec
+
+
+@hydra.main(config_path="../conf", config_name="serve", version_base=None)
+def main(cfg: DictConfig) -> None:
+    OmegaConf.resolve(cfg)
+    target = to_dataclass(TargetConfig, cfg.target)
+    server_cfg = to_dataclass(ServerConfig, cfg.server)
+    serve_cfg = to_dataclass(ServeConfig, cfg.serve)
+    spec = speculative_config(Path(cfg.drafter), serve_cfg)
+    if not torch.cuda.is_available():
+        # vLLM serves DSpark only on its V2 GPU runner; failing here beats a crash deep in the engine.
+        raise SystemExit("make serve: DSpark serving needs a CUDA GPU (vLLM's V2 GPU runner); none found")
+    server = VLLMServer(
+        resolve_target_dir(target.name_or_path, target.revision), Path(serve_cfg.run_dir),
+        extra_args=[*server_cfg.extra_args, "--speculative-config", json.dumps(spec)],
+        env=server_cfg.env, port=serve_cfg.port, ready_timeout_s=server_cfg.ready_timeout_s,
+        max_model_len=target.max_model_len, dtype=target.dtype, stop_timeout_s=server_cfg.stop_timeout_s,
+    )
+    with server:
+        print(f"serving {target.name_or_path} with DSpark drafter {cfg.drafter} at {server.url}/v1 "
+              f"(log: {server.log_path}); Ctrl-C stops it", flush=True)
+        while server.is_alive():
+            time.sleep(1)
+    raise SystemExit(f"vLLM exited; see {server.log_path}")
+
+
+if __name__ == "__main__":
+    main()
