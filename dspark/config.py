@@ -86,6 +86,10 @@ def to_dataclass(cls: type[T_cfg], cfg: DictConfig | dict) -> T_cfg:
 
     Unknown keys, missing keys and wrong types raise an error naming the field.
     """
+    if isinstance(cfg, DictConfig):
+        # A section taken out of the tree can no longer see `${paths.*}` or `${target.*}`:
+        # resolve its interpolations (against the whole tree) before validating it alone.
+        cfg = OmegaConf.to_container(cfg, resolve=True)
     schema = OmegaConf.structured(cls)
     merged = OmegaConf.merge(schema, cfg)
     missing = sorted(OmegaConf.missing_keys(merged))

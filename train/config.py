@@ -1,0 +1,74 @@
+"""Schema of the `train:` section of `conf/train.yaml` (types and meaning; defaults live in the YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    """The training pass: data, schedule, checkpoints, evaluation and export."""
+
+    run_name: str
+    """Name of this run; its directory is `run_dir`."""
+    run_dir: str
+    """Directory of the run: checkpoints, vocab mapping, TensorBoard events, metrics.jsonl, drafter/."""
+    train_store: str
+    """Shard store (path or fsspec URL) with the training split."""
+    eval_store: str | None
+    """Shard store with the held-out split; null disables evaluation."""
+    token_freqs: str
+    """token_freqs.npy of the data stage (loss-masked train token counts) used to build the draft vocabulary."""
+    vocab_mapping: str | None
+    """An existing vocab mapping to reuse (e.g. from an earlier run); null = the run's own or a new one."""
+    init_from: str | None
+    """Warm start: an exported drafter dir or a checkpoint dir; weights only, the schedule starts fresh."""
+    resume: str
+    """`auto`: continue from run_dir/checkpoints/latest if present; `never`: refuse a run with checkpoints; `must`."""
+    seed: int
+    """Seed of weight init, sample order and anchor sampling."""
+    epochs: int
+    """Passes over the training split."""
+    max_steps: int | None
+    """Stop after this many optimizer steps (null = all epochs); the schedule still spans all epochs."""
+    tokens_per_step: int
+    """Global batch: sample tokens per optimizer step, summed over all ranks (independent of GPUS)."""
+    tokens_per_micro_batch: int
+    """Padded tokens per forward pass on one rank (bounds memory; more micro-batches = accumulation)."""
+    lr: float
+    """Peak learning rate of AdamW."""
+    weight_decay: float
+    """AdamW decoupled weight decay."""
+    adam_betas: list[float]
+    """AdamW (beta1, beta2)."""
+    warmup_ratio: float
+    """Fraction of all steps with linear warmup from 0 to `lr`."""
+    min_lr_ratio: float
+    """Cosine decay ends at `lr * min_lr_ratio`."""
+    grad_clip: float | None
+    """Clip the global gradient norm to this value (null = no clipping)."""
+    mixed_precision: str
+    """`auto` (bf16 on CUDA, fp32 on CPU), `bf16` or `no`."""
+    data_workers: int
+    """Background DataLoader worker processes that read and collate the store (0 = in the training loop)."""
+    prefetch_steps: int
+    """Steps each data worker prepares ahead of the training loop."""
+    eval_every: int
+    """Evaluate on the held-out store every this many steps (and at the end); 0 = only at the end."""
+    eval_on_start: bool
+    """Also evaluate before the first step (the baseline of an untrained or warm-started draft)."""
+    eval_num_anchors: int
+    """Anchors per held-out sequence (fixed across evaluations for comparable figures)."""
+    eval_max_samples: int | None
+    """Evaluate on at most this many held-out samples (null = all)."""
+    save_every: int
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_last: int
+    """Checkpoints kept besides the best one (older ones are deleted)."""
+    log_every: int
+    """Write train metrics to TensorBoard / metrics.jsonl every this many steps."""
+    export: bool
+    """Export the final drafter in speculators format to `run_dir/drafter`."""
+
+
+__all__ = ["TrainConfig"]

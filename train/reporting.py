@@ -1,0 +1,99 @@
+"""Progress reporting of a training run (rank 0 only).
+
+Three sinks: a progress bar (loss terms, τ, tokens/s, data-wait %, ETA), TensorBoard
+event files in `run_dir/tensorboard`, and `run_dir/metrics.jsonl` with one JSON object per
+line: `{"step": int, "split": "train" | "eval", <metric>: float, ...}` (train rows: `loss`,
+each loss term, `lr`, `grad_norm`, `tokens_per_s`, `data_wait`, `epoch`; eval rows: `tau`,
+`alpha_<k>` conditional and `accept_<k>` cumulative acceptance per slot, the loss terms).
+A resumed run first drops rows logged after its checkpoint, so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+BAR_KEYS = ("loss", "ce", "tv", "kl", "confidence")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after `last_step` (work redone after a resume) and a torn last line."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the write a killed run left half done
+            continue
+        if row["step"] <= last_step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class Reporter:
+    """Rank 0's progress bar, TensorBoard writer and metrics.jsonl; every method is a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, resumed: bool):
+        self.enabled = enabled
+        self.last_tau: float | None = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = run_dir / METRICS_FILE
+        # Rows after the checkpoint were logged by work that is now redone; a fresh start
+        # (a run killed before its first checkpoint) keeps none.
+        truncate_metrics(self.metrics_path, start_step if resumed else -1)
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if resumed else 0)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def train_step(self, step: int, metrics: dict[str, float], *, log: bool) -> None:
+        """Advance the bar; write `metrics` to TensorBoard and metrics.jsonl when `log`."""
+        if not self.enabled:
+            return
+        postfix = {k: f"{metrics[k]:.4f}" for k in BAR_KEYS if k in metrics}
+        if self.last_tau is not None:
+            postfix["tau"] = f"{self.last_tau:.3f}"
+        postfix["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+        postfix["wait"] = f"{100 * metrics['data_wait']:.0f}%"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+        if log:
+            self.write(step, "train", metrics)
+
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.last_tau = metrics["tau"]
+        self.write(step, "eval", metrics)
+        self.bar.write(
+            f"eval step {step}: tau {metrics['tau']:.3f}  acceptance "
+            + " ".join(f"{metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("alpha_"))
+        )
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text)
+
+    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.tb.add_scalar(f"{split}/{name}", value, step)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+
+    def flush(self) -> None:
+        """Make everything logged so far durable (called with each checkpoint)."""
+        if self.enabled:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.tb.close()
+
+
+__all__ = ["METRICS_FILE", "Reporter", "truncate_metrics"]

@@ -1,0 +1,315 @@
+"""The data-parallel training loop; an algorithm subclass supplies the objective.
+
+The base class owns everything that is not specific to the draft: the step plan over the
+store, background loading, gradient accumulation under DDP, the loss normalizer shared by
+all ranks, AdamW with warmup + cosine, clipping, checkpoints and exact resume, evaluation
+cadence, best-checkpoint tracking and reporting. A subclass implements:
+
+- `prepare_batch(batch, *, epoch, train)`: runs in the data workers (e.g. anchor sampling);
+  must put `norm_weight` (a scalar) in the batch: the step's loss is normalized by its sum
+  over all micro-batches of all ranks.
+- `empty_batch()`: a batch with nothing to score, for a rank that has no data in a step.
+- `compute_loss(model, batch, norm) -> (loss, logs)`: `logs` are sums, added over
+  micro-batches and ranks (`summarize` turns them into reported figures); the keys must
+  not depend on the batch.
+- `evaluate(batches) -> dict[str, float]`: held-out metrics of this rank's share, reduced
+  over ranks with `reduce_sum`; must contain `Trainer.best_metric` (higher is better).
+- `export(out_dir, metrics)`: the deployable model, written at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from train.checkpoint import CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
+from train.config import TrainConfig
+from train.data import Batch, StepDataset, StoreSplit, TimedLoader
+from train.reporting import Reporter
+from train.sampler import StepPlanner, share_of_rank
+
+
+@dataclass
+class LoopState:
+    """Where the loop is; saved in every checkpoint (trainer_state.json)."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+    train_time_s: float = 0.0
+    """Wall time spent in training steps, summed over resumes."""
+
+
+def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup over `warmup` steps, then cosine down to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Base loop (see the module docstring for what a subclass provides)."""
+
+    best_metric = "tau"
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        accelerator: Accelerator,
+        model: nn.Module,
+        *,
+        train_split: StoreSplit,
+        eval_split: StoreSplit | None,
+        run_dir: Path,
+        config_yaml: str,
+        run_files: dict[str, Path],
+        resume_from: Path | None,
+    ):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.run_dir = run_dir
+        self.config_yaml = config_yaml
+        self.run_files = run_files
+        self.train_split = train_split
+        self.eval_split = eval_split
+        self.planner = StepPlanner(train_split.lengths, cfg.tokens_per_step, cfg.tokens_per_micro_batch, cfg.seed)
+        all_steps = sum(len(self.planner.epoch(e)) for e in range(cfg.epochs))
+        self.total_steps = all_steps if cfg.max_steps is None else min(cfg.max_steps, all_steps)
+
+        # On the device before the optimizer exists, so restored optimizer state lands there too.
+        model.to(accelerator.device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+        )
+        warmup = max(1, math.ceil(cfg.warmup_ratio * self.total_steps)) if cfg.warmup_ratio > 0 else 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            partial(warmup_cosine, total=self.total_steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
+        )
+        self.state = LoopState()
+        self.last_eval: dict[str, float] = {}
+        self.saved_step: int | None = None
+        self.evaluated_step: int | None = None
+        if resume_from is not None:
+            self.restore(model, resume_from)
+        self.raw_model = model
+        self.model = accelerator.prepare_model(model)
+        self.writer = CheckpointWriter(
+            run_dir, accelerator.process_index, accelerator.wait_for_everyone, cfg.keep_last
+        )
+        self.reporter = Reporter(
+            run_dir,
+            enabled=accelerator.is_main_process,
+            total_steps=self.total_steps,
+            start_step=self.state.step,
+            resumed=resume_from is not None,
+        )
+        if resume_from is not None:
+            self.reporter.message(f"resuming from {resume_from} at step {self.state.step}")
+
+    # ----- hooks -----
+    def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
+        raise NotImplementedError
+
+    def empty_batch(self) -> Batch:
+        raise NotImplementedError
+
+    def compute_loss(
+        self, model: nn.Module, batch: Batch, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def export(self, out_dir: Path, metrics: dict[str, float]) -> None:
+        """Write the deployable model (rank 0 only)."""
+
+    # ----- helpers for subclasses -----
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def hardware(self) -> str:
+        """What the run ran on, for the model card."""
+        world = self.accelerator.num_processes
+        if self.device.type == "cuda":
+            return f"{world} x {torch.cuda.get_device_name(self.device)}"
+        return f"{world} x CPU process ({torch.get_num_threads()} threads)"
+
+    def reduce_sum(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sum a dict of tensors over ranks (same keys and shapes on every rank)."""
+        keys = sorted(values)
+        flat = [values[k].detach().to(self.device, torch.float64).reshape(-1) for k in keys]
+        sizes = [t.numel() for t in flat]
+        total = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=self.device)
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(total)
+        return {k: t.view_as(values[k]) for k, t in zip(keys, total.split(sizes), strict=True)}
+
+    def to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    # ----- the loop -----
+    def loader(self, split: StoreSplit, steps: list, *, epoch: int, train: bool) -> TimedLoader:
+        dataset = StepDataset(split, steps, partial(self.prepare_batch, epoch=epoch, train=train))
+        pin = self.device.type == "cuda"
+        return TimedLoader(dataset, self.cfg.data_workers, self.cfg.prefetch_steps, pin_memory=pin)
+
+    def fit(self) -> dict[str, float]:
+        """Train to the end of the schedule, evaluate, save, export; returns the last eval metrics."""
+        cfg, acc = self.cfg, self.accelerator
+        if cfg.eval_on_start and self.eval_split is not None and self.state.step == 0:
+            self.last_eval = self.run_eval()
+        self.model.train()
+        while self.state.step < self.total_steps and self.state.epoch < cfg.epochs:
+            plan = self.planner.epoch(self.state.epoch)
+            mine = [
+                share_of_rank(self.planner, step, acc.process_index, acc.num_processes)
+                for step in plan[self.state.step_in_epoch :]
+            ]
+            loader = self.loader(self.train_split, mine, epoch=self.state.epoch, train=True)
+            start, waited = time.perf_counter(), loader.wait_s
+            for micro_batches in loader:
+                logs = self.train_step(micro_batches)
+                elapsed = time.perf_counter() - start
+                self.state.train_time_s += elapsed
+                logs.update(tokens_per_s=logs["num_tokens"] / elapsed, data_wait=(loader.wait_s - waited) / elapsed)
+                self.state.step += 1
+                self.state.step_in_epoch += 1
+                logs["epoch"] = self.state.epoch + self.state.step_in_epoch / len(plan)
+                self.reporter.train_step(self.state.step, logs, log=self.state.step % cfg.log_every == 0)
+                self.evaluate_and_save(final=False)
+                if self.state.step >= self.total_steps:
+                    break
+                start, waited = time.perf_counter(), loader.wait_s
+            else:
+                self.state.epoch += 1
+                self.state.step_in_epoch = 0
+        self.evaluate_and_save(final=True)
+        if cfg.export and acc.is_main_process:
+            self.export(self.run_dir / "drafter", self.last_eval)
+            self.reporter.message(f"drafter exported to {self.run_dir / 'drafter'}")
+        acc.wait_for_everyone()
+        self.reporter.close()
+        return self.last_eval
+
+    def evaluate_and_save(self, *, final: bool) -> None:
+        """Evaluate and checkpoint when due (always at the end, unless just done at this step)."""
+        step, cfg = self.state.step, self.cfg
+        improved = False
+        due = cfg.eval_every and step % cfg.eval_every == 0
+        if self.eval_split is not None and (due if not final else self.evaluated_step != step):
+            self.last_eval = self.run_eval()
+            self.evaluated_step = step
+            improved = self.track_best(self.last_eval)
+        if improved or (step % cfg.save_every == 0 if not final else self.saved_step != step):
+            self.save(best=improved)
+            self.saved_step = step
+
+    def train_step(self, micro_batches: list[Batch]) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches (accumulated, synced once)."""
+        acc = self.accelerator
+        micro_batches = micro_batches or [self.empty_batch()]
+        local_norm = torch.stack([b["norm_weight"].double() for b in micro_batches]).sum()
+        norm = self.reduce_sum({"norm": local_norm})["norm"].float()
+        sums: dict[str, torch.Tensor] = {}
+        for i, batch in enumerate(micro_batches):
+            batch = self.to_device(batch)
+            last = i == len(micro_batches) - 1
+            # DDP averages gradients over ranks; the loss is already normalized by the
+            # global weight sum, so scale by the world size to get the global gradient.
+            with nullcontext() if last else acc.no_sync(self.model):
+                with acc.autocast():
+                    loss, logs = self.compute_loss(self.model, batch, norm)
+                acc.backward(loss * acc.num_processes)
+            logs["num_tokens"] = batch["num_tokens"]
+            for k, v in logs.items():
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf)
+        lr = self.scheduler.get_last_lr()[0]
+        if norm > 0:  # a step with nothing to score (every rank empty) leaves the weights alone
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.summarize(self.reduce_sum(sums))
+        out.update(lr=lr, grad_norm=float(grad_norm))
+        return out
+
+    def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Turn the rank-summed train logs into reported figures (override for ratios)."""
+        return {k: float(v) for k, v in sums.items()}
+
+    def run_eval(self) -> dict[str, float]:
+        """Held-out metrics on the eval store, split over ranks (the same samples every time)."""
+        acc = self.accelerator
+        assert self.eval_split is not None
+        n, budget = len(self.eval_split.lengths), self.cfg.tokens_per_micro_batch
+        planner = StepPlanner(self.eval_split.lengths, budget, budget, self.cfg.seed)
+        mine = share_of_rank(planner, planner.micro_batches(range(n)), acc.process_index, acc.num_processes)
+        loader = self.loader(self.eval_split, [[b] for b in mine], epoch=0, train=False)
+        self.raw_model.eval()
+        with torch.no_grad(), acc.autocast():
+            metrics = self.evaluate(self.to_device(b) for step in loader for b in step)
+        self.raw_model.train()
+        self.reporter.eval(self.state.step, metrics)
+        return metrics
+
+    def track_best(self, metrics: dict[str, float]) -> bool:
+        value = metrics[self.best_metric]
+        if self.state.best_metric is not None and value <= self.state.best_metric:
+            return False
+        self.state.best_metric, self.state.best_step = value, self.state.step
+        return True
+
+    def plan_identity(self) -> dict:
+        """What the sample order depends on: a mid-epoch resume needs all of it unchanged."""
+        return {
+            "data_fingerprint": self.train_split.fingerprint(),
+            "seed": self.cfg.seed,
+            "tokens_per_step": self.cfg.tokens_per_step,
+            "tokens_per_micro_batch": self.cfg.tokens_per_micro_batch,
+        }
+
+    def save(self, *, best: bool) -> None:
+        self.writer.save(
+            self.state.step,
+            model=self.raw_model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state={**asdict(self.state), "plan": self.plan_identity(), "world_size": self.accelerator.num_processes},
+            config_yaml=self.config_yaml,
+            files=self.run_files,
+            best=best,
+        )
+        self.reporter.flush()
+
+    def restore(self, model: nn.Module, path: Path) -> None:
+        """Exact resume: weights, optimizer, scheduler, RNG and loop position from `path`."""
+        ckpt = read_checkpoint(path, self.accelerator.process_index)
+        state = ckpt["state"]
+        if state["step_in_epoch"] and state["plan"] != self.plan_identity():
+            changed = sorted(k for k in state["plan"] if state["plan"][k] != self.plan_identity()[k])
+            raise ValueError(
+                f"cannot resume {path} mid-epoch: {changed} changed since it was written "
+                "(the sample order would differ, repeating or skipping samples); restore them "
+                "or warm-start a new run with train.init_from"
+            )
+        load_trainable_state(model, ckpt["weights"], path)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        restore_rng(ckpt["rng"])
+        self.state = LoopState(**{k: state[k] for k in asdict(LoopState())})
