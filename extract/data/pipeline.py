@@ -1,0 +1,246 @@
+"""The data stage end to end: source -> (regenerate) -> tokenize -> split -> files.
+
+Output in `data_dir`: `train.jsonl`, `eval.jsonl` (rows: sample_id, source, split,
+input_ids, loss_mask), `token_freqs.npy` (int64 [vocab]: loss-masked train tokens) and
+`summary.json`; plus the regeneration journal `regen-<settings hash>.jsonl` that makes a
+rerun continue where a killed one stopped. Each output file is written to a temporary
+name and renamed, so a reader never sees half a dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from dspark.config import TargetConfig
+from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.vocab import count_tokens
+from extract.config import ServerConfig
+from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
+from extract.data.problems import Problems, RowError
+from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, regenerate
+from extract.data.sources import Conversation, load_source, select
+from extract.data.split import eval_fingerprints, prompt_fingerprint
+from extract.data.tokenize import ChatTokenizer
+
+SPLITS = ("train", "eval")
+
+
+def build_dataset(
+    target: TargetConfig,
+    source: SourceConfig,
+    regen: RegenConfig,
+    tokenize: TokenizeConfig,
+    server: ServerConfig,
+    data_dir: Path,
+) -> dict[str, Any]:
+    """Run the whole stage; returns (and writes) the summary."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_target_dir(target.name_or_path, target.revision)
+    chat = ChatTokenizer(model_dir, target.chat_template_kwargs)  # a missing template fails before any work
+    tok_sha = tokenizer_sha256(model_dir)
+
+    loaded = load_source(source)
+    if loaded.problems:
+        print(loaded.problems.report(f"source {loaded.name}: {loaded.rows} rows read"))
+    selected = select(loaded.conversations, source.max_samples, source.seed)
+    if not selected:
+        raise ValueError(f"source {loaded.name}: no usable conversation among {loaded.rows} rows")
+
+    settings = ChatSettings(
+        regen.temperature, regen.top_p, regen.max_new_tokens, target.max_model_len, dict(target.chat_template_kwargs)
+    )
+    if regen.enabled:
+        # Everything that changes what a conversation's regeneration would be; not the draw
+        # (sample ids are stable, so a larger max_samples reuses what is done) nor the split.
+        journal_key = {"target": target.name_or_path, "revision": target.revision, "model_dir": str(model_dir),
+                       "tokenizer_sha256": tok_sha, "source": [source.source, source.path, source.hf_name,
+                       source.hf_split, source.max_turns], "settings": asdict(settings)}  # fmt: skip
+        journal_path = data_dir / f"regen-{_short_hash(journal_key)}.jsonl"
+        replies = _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir)
+    else:
+        journal_path, replies = None, _source_replies(selected)
+
+    max_length = tokenize.max_length or target.max_model_len
+    rows, dropped, truncated = _tokenize_and_split(
+        selected, replies, chat, loaded.name, max_length, tokenize.min_loss_tokens, source.eval_fraction
+    )
+    if dropped:
+        print(dropped.report(f"{len(selected)} selected conversations"))
+    if not any(rows.values()):
+        raise ValueError(f"no sample survived (see the reasons above); nothing written to {data_dir}")
+
+    vocab_size = _vocab_size(model_dir)
+    _write_dataset(data_dir, rows, vocab_size)
+    summary = {
+        "target": {"name": target.name, "name_or_path": target.name_or_path, "revision": target.revision,
+                   "model_dir": str(model_dir), "tokenizer_sha256": tok_sha, "vocab_size": vocab_size,
+                   "end_of_turn_ids": chat.end_of_turn, "chat_template_kwargs": dict(target.chat_template_kwargs)},
+        "source": asdict(source) | {"name": loaded.name, "rows": loaded.rows, "usable": len(loaded.conversations),
+                                    "selected": len(selected)},
+        "regeneration": _regen_summary(regen, settings, journal_path, replies, selected),
+        "tokenize": {"max_length": max_length, "min_loss_tokens": tokenize.min_loss_tokens, "truncated": truncated},
+        "splits": {s: _split_stats(rows[s]) for s in SPLITS},
+        "dropped": {"source": loaded.problems.to_dict(), "samples": dropped.to_dict()},
+    }  # fmt: skip
+    if target.mask_token_id is not None:
+        # The mask token must be a row the data never contains (the drafter feeds it as "unknown").
+        summary["target"]["mask_token_id"] = target.mask_token_id
+        summary["target"]["mask_token_in_data"] = sum(
+            r["input_ids"].count(target.mask_token_id) for s in SPLITS for r in rows[s]
+        )
+    _write_atomic(data_dir / "summary.json", [json.dumps(summary, indent=2) + "\n"])
+    print(format_summary(summary, data_dir))
+    return summary
+
+
+def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_loss_tokens, eval_fraction):
+    """Rows per split, what was dropped and why, and how many samples were truncated."""
+    rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    dropped, truncated = Problems(), 0
+    # Split on the source prompts (known before regeneration), so which samples are held
+    # out never depends on what the target happened to generate.
+    fingerprints = {c.sample_id: prompt_fingerprint(c.messages) for c in selected}
+    held_out = eval_fingerprints(set(fingerprints.values()), eval_fraction)
+    for conv in selected:
+        where = f"sample {conv.sample_id}"
+        try:
+            entry = replies[conv.sample_id]
+            if "error" in entry:
+                raise RowError(entry["error"], entry.get("detail"))
+            ids, mask = chat.encode(entry["messages"], entry["finished"])
+        except RowError as err:
+            dropped.add_error(err, where)
+            continue
+        if len(ids) > max_length:
+            ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1
+        if sum(mask) < min_loss_tokens:
+            dropped.add("too few loss tokens", f"{where}: {sum(mask)} < {min_loss_tokens}")
+            continue
+        split = "eval" if fingerprints[conv.sample_id] in held_out else "train"
+        rows[split].append({"sample_id": conv.sample_id, "source": source_name, "split": split,
+                            "input_ids": ids, "loss_mask": mask})  # fmt: skip
+    return rows, dropped, truncated
+
+
+def _write_dataset(data_dir: Path, rows: dict[str, list[dict]], vocab_size: int) -> None:
+    for split in SPLITS:
+        _write_atomic(data_dir / f"{split}.jsonl", (json.dumps(r, separators=(",", ":")) + "\n" for r in rows[split]))
+    train = rows["train"]
+    freqs = count_tokens((r["input_ids"] for r in train), (r["loss_mask"] for r in train), vocab_size)
+    tmp = data_dir / "token_freqs.npy.tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, freqs)
+    os.replace(tmp, data_dir / "token_freqs.npy")
+
+
+def _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir) -> dict[int, dict]:
+    journal = Journal(journal_path)
+    try:
+        todo = pending(selected, journal)
+        done = len(selected) - len(todo)
+        print(f"regeneration: {len(todo)} to do, {done} already in {journal_path.name}")
+        if todo:
+            with _server_url(model_dir, target, regen, server, data_dir) as url:
+                regenerate(todo, journal, url, chat, settings,
+                           concurrency=regen.concurrency, request_timeout_s=regen.request_timeout_s)  # fmt: skip
+        return {c.sample_id: journal.entries[c.sample_id] for c in selected}
+    finally:
+        journal.close()
+
+
+@contextmanager
+def _server_url(
+    model_dir: Path, target: TargetConfig, regen: RegenConfig, srv: ServerConfig, data_dir: Path
+) -> Iterator[str]:
+    """The URL of the given server, or of one started for this run (stopped on exit)."""
+    if regen.server_url:
+        yield regen.server_url.rstrip("/")
+        return
+    from extract.server import VLLMServer
+
+    with VLLMServer(model_dir, data_dir / "server", extra_args=srv.extra_args, env=srv.env,
+                    ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
+                    max_model_len=target.max_model_len, dtype=target.dtype) as server:  # fmt: skip
+        yield server.url
+
+
+def _source_replies(selected: list[Conversation]) -> dict[int, dict]:
+    """The source's own assistant turns, as journal-like entries (regen.enabled=false)."""
+    replies = {}
+    for conv in selected:
+        messages = list(conv.messages)
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        if not messages:
+            detail = "regen.enabled=false needs the source's replies"
+            replies[conv.sample_id] = {"error": "no assistant reply", "detail": detail}
+        else:
+            finished = [True] * sum(m["role"] == "assistant" for m in messages)
+            replies[conv.sample_id] = {"prompt_sha": prompt_sha(messages), "messages": messages, "finished": finished}
+    return replies
+
+
+def _regen_summary(regen, settings, journal_path, replies, selected) -> dict:
+    out = {"enabled": regen.enabled}
+    if not regen.enabled:
+        return out
+    entries = [replies[c.sample_id] for c in selected]
+    ok = [e for e in entries if "error" not in e]
+    return out | asdict(settings) | {
+        "journal": journal_path.name,
+        "conversations": len(ok),
+        "failed": len(entries) - len(ok),
+        "assistant_turns": sum(len(e["finished"]) for e in ok),
+        "turns_cut_by_max_new_tokens": sum(not f for e in ok for f in e["finished"]),
+        "conversations_cut_to_fit_context": sum("cut_at_turn" in e for e in ok),
+        "completion_tokens": sum(e["completion_tokens"] for e in ok),
+    }
+
+
+def _split_stats(rows: list[dict]) -> dict[str, int]:
+    return {"samples": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
+            "loss_tokens": sum(sum(r["loss_mask"]) for r in rows)}  # fmt: skip
+
+
+def format_summary(summary: dict, data_dir: Path) -> str:
+    lines = [f"dataset in {data_dir} (target {summary['target']['name_or_path']}, "
+             f"tokenizer {summary['target']['tokenizer_sha256'][:12]})"]  # fmt: skip
+    for split, s in summary["splits"].items():
+        lines.append(f"  {split:5s}: {s['samples']} samples, {s['tokens']} tokens, {s['loss_tokens']} loss tokens")
+    for stage, problems in summary["dropped"].items():
+        for reason, info in problems.items():
+            lines.append(f"  dropped ({stage}) {reason}: {info['count']}")
+    if summary["tokenize"]["truncated"]:
+        lines.append(f"  truncated to {summary['tokenize']['max_length']} tokens: {summary['tokenize']['truncated']}")
+    if summary["target"].get("mask_token_in_data"):
+        lines.append(f"  WARNING: mask_token_id {summary['target']['mask_token_id']} occurs "
+                     f"{summary['target']['mask_token_in_data']} times in the data")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _vocab_size(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
+
+
+def _write_atomic(path: Path, chunks: Iterable[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(chunks)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _short_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]

