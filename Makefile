@@ -31,8 +31,12 @@ endif
 	$(BIN)/pip install -e '.[test]'
 	touch $(STAMP)
 
+# The whole pipeline on the embedded default, offline, sized for a 2-core CPU (~20 min).
 demo: setup
-	$(BIN)/python -m eval.demo $(ARGS)
+	$(BIN)/python -m extract.data
+	$(BIN)/python -m extract
+	$(BIN)/torchrun --standalone --nproc_per_node 1 -m train +experiment=demo
+	$(BIN)/python -m eval eval.online.num_prompts=4 eval.online.max_tokens=128
 
 data: setup
 	$(BIN)/python -m extract.data $(ARGS)

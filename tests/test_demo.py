@@ -1,0 +1,42 @@
+"""`make demo` end to end on the embedded default: data -> extract -> train -> eval -> card.
+
+The same command a user runs on a fresh machine, with the run directory moved to a
+scratch dir; it takes most of 20 minutes on 2 cores, so it is marked `slow` (still run by
+`make test`).
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_make_demo(tmp_path):
+    env = {**os.environ, "DSPARK_RUNS": str(tmp_path)}
+    env.pop("OMP_NUM_THREADS", None)  # let the demo use the machine as a user's run would
+    proc = subprocess.run(["make", "demo"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    root = tmp_path / "smollm2-135m"
+    summary = json.loads((root / "data" / "summary.json").read_text())
+    assert summary["splits"]["train"]["samples"] > 0
+    drafter = root / "train" / "default" / "drafter"
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark"
+    assert (drafter / "model.safetensors").is_file()
+
+    # The trained drafter beats the untrained one on the held-out store.
+    rows = [json.loads(line) for line in (root / "train" / "default" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert evals and evals[0]["step"] == 0
+    report = json.loads((root / "eval" / "report.json").read_text())
+    assert report["offline"]["overall"]["tau"] > evals[0]["tau"] + 0.02
+
+    card = (drafter / "README.md").read_text()
+    assert "vllm serve" in card
