@@ -1,0 +1,191 @@
+"""Cost of hidden-state extraction over the verifier's plain prefill, and the store's size.
+
+Setting: the stage's defaults (conf/extract.yaml: embedded SmolLM2-135M-Instruct in fp32,
+its aux layer ids + the final layer, the `server` env, the client concurrency) on ShareGPT
+conversations in the model's chat template with their own replies, cut to 1024 tokens.
+Two servers of the same model, dtype, max_model_len, environment and compile settings are
+up together and timed in alternating rounds (so drifting load on a shared machine hits
+both alike):
+
+- plain:   no extraction. Every sample is one `/v1/completions` request (prompt = token
+           ids, max_tokens=1): the prefill the verifier does anyway (the baseline);
+- extract: the stage's server (extract_hidden_states + hidden-states connector) and client
+           (`extract_rows`): the same requests, plus waiting for and reading each staged
+           file, bf16 conversion, and committing shards to a ShardStore;
+- extract without store: the same, but the states are dropped once read (splits the
+           extra time into server/transfer and store writing).
+
+Both after an untimed warm-up pass over the same samples, with the same requests in flight; staged files on
+tmpfs as in the stage. Reported:
+extraction wall time / plain wall time, and store bytes on disk per token / raw bytes per
+token (bf16 hidden states of every stored layer + int32 token id + uint8 loss mask).
+
+Run: python bench/bench_extract.py   (or python -m bench only=extract)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark.config import TargetConfig, to_dataclass  # noqa: E402
+from dspark.store import ShardStore  # noqa: E402
+from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
+from extract.config import ExtractConfig, ServerConfig  # noqa: E402
+from extract.pipeline import Verifier, load_verifier, server_args, store_bytes  # noqa: E402
+from extract.server import VLLMServer  # noqa: E402
+
+N_SAMPLES = 64
+ROUNDS = 3
+MAX_TOKENS = 1024
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def stage_config() -> tuple[TargetConfig, ExtractConfig, ServerConfig]:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="extract")
+    OmegaConf.resolve(cfg)
+    return to_dataclass(TargetConfig, cfg.target), to_dataclass(ExtractConfig, cfg.extract), \
+        to_dataclass(ServerConfig, cfg.server)
+
+
+def sharegpt_rows(model_dir: Path, n: int) -> list[Row]:
+    from extract.data.config import SourceConfig
+    from extract.data.sources import load_source, select
+    from extract.data.tokenize import ChatTokenizer
+
+    source = SourceConfig(source="sharegpt", path=None, hf_name=None, hf_split="train", max_samples=None,
+                          seed=0, max_turns=1, eval_fraction=0.0)
+    chat = ChatTokenizer(model_dir)
+    rows = []
+    for conv in select(load_source(source).conversations, 4 * n, seed=0):
+        if len(rows) == n:
+            break
+        messages = list(conv.messages)
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        if not messages:
+            continue
+        try:
+            ids, mask = chat.encode(messages, [True] * sum(m["role"] == "assistant" for m in messages))
+        except ValueError:
+            continue  # a conversation the template cannot render verbatim
+        rows.append(Row(len(rows), ids[:MAX_TOKENS], mask[:MAX_TOKENS]))
+    return rows
+
+
+async def plain_prefill(url: str, model: str, rows: list[Row], concurrency: int) -> None:
+    todo = iter(rows)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for row in todo:
+            resp = await client.post(f"{url}/v1/completions",
+                                     json={"model": model, "prompt": row.input_ids, "max_tokens": 1})
+            resp.raise_for_status()
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+
+
+async def extraction(url: str, model: str, rows: list[Row], verifier: Verifier, ex: ExtractConfig,
+                     store: ShardStore | None, concurrency: int = 0) -> None:
+    async with HiddenStatesClient(url, model, n_layers=len(verifier.layer_ids), hidden_size=verifier.hidden_size,
+                                  timeout_s=ex.request_timeout_s) as client:
+        if store is None:  # read and drop, `concurrency` at a time
+            todo = iter(rows)
+
+            async def worker() -> None:
+                for row in todo:
+                    await client.extract(row)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return
+        writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens)
+        await extract_rows(client, rows, writer, concurrency=ex.concurrency)
+
+
+def timed(coroutine_factory) -> float:
+    start = time.perf_counter()
+    asyncio.run(coroutine_factory())
+    return time.perf_counter() - start
+
+
+def main(out_dir: Path) -> dict:
+    target, ex, srv = stage_config()
+    verifier = load_verifier(target)
+    rows = sharegpt_rows(verifier.model_dir, N_SAMPLES)
+    n_tokens = sum(len(r.input_ids) for r in rows)
+    model = str(verifier.model_dir)
+    # Both servers are up at once (rounds alternate, so drifting load on a shared machine
+    # hits both alike); half the default KV cache each keeps the pair within memory.
+    env = {**srv.env, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(srv.env.get("VLLM_CPU_KVCACHE_SPACE", "4")) // 2))}
+    common = dict(env=env, max_model_len=target.max_model_len + 1, dtype=target.dtype,
+                  ready_timeout_s=srv.ready_timeout_s)
+    # Warm-up = one untimed pass over every sample: the first batches of a fresh server
+    # include one-off work (compiled-graph shape buckets, allocations).
+    warm_rows = [Row(-1 - i, r.input_ids, r.loss_mask) for i, r in enumerate(rows)]
+    with tempfile.TemporaryDirectory() as tmp, \
+            tempfile.TemporaryDirectory(dir=default_staging_root(), prefix="bench-extract-") as staging:
+        tmp = Path(tmp)
+        plain = VLLMServer(model, tmp / "plain", extra_args=["--disable-uvicorn-access-log", *srv.extra_args],
+                           **common)
+        extracting = VLLMServer(model, tmp / "extract",
+                                extra_args=server_args(verifier.layer_ids, "cpu", Path(staging), srv.extra_args),
+                                **common)
+        with plain, extracting:
+            asyncio.run(plain_prefill(plain.url, model, warm_rows, ex.concurrency))
+            asyncio.run(extraction(extracting.url, model, warm_rows, verifier, ex, None, ex.concurrency))
+            plain_s, extract_s, dropped_s = [], [], []
+            for r in range(ROUNDS):
+                store = ShardStore.create_or_open(str(tmp / f"store-{r}"), verifier.store_target,
+                                                  verifier.tokenizer_sha256)
+                plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))
+                extract_s.append(timed(lambda s=store: extraction(extracting.url, model, rows, verifier, ex, s)))
+                assert len(store.committed_sample_ids()) == len(rows)
+                dropped_s.append(timed(lambda: extraction(extracting.url, model, warm_rows, verifier, ex, None,
+                                                          ex.concurrency)))
+        disk = store_bytes(str(tmp / "store-0"))
+    ratios = [e / p for e, p in zip(extract_s, plain_s)]
+    figures = {
+        "setting": {"target": target.name_or_path, "dtype": target.dtype, "layer_ids": verifier.layer_ids,
+                    "hidden_size": verifier.hidden_size, "samples": len(rows), "tokens": n_tokens, "rounds": ROUNDS,
+                    "concurrency": ex.concurrency, "server_env": env, "server_extra_args": srv.extra_args},
+        "plain_prefill_s": [round(t, 2) for t in plain_s],
+        "extraction_s": [round(t, 2) for t in extract_s],
+        "plain_tokens_per_s": round(ROUNDS * n_tokens / sum(plain_s), 1),
+        "extraction_tokens_per_s": round(ROUNDS * n_tokens / sum(extract_s), 1),
+        "extraction_time_vs_plain_prefill": round(sum(extract_s) / sum(plain_s), 3),
+        "extraction_time_vs_plain_prefill_per_round": [round(x, 3) for x in ratios],
+        # Where the extra time goes: the same extraction with the states read and dropped
+        # (server side + transfer) against plain prefill, and the store writes on top.
+        "extraction_without_store_s": [round(t, 2) for t in dropped_s],
+        "extraction_without_store_vs_plain_prefill": round(sum(dropped_s) / sum(plain_s), 3),
+        "store_bytes_per_token": round(disk / n_tokens, 1),
+        "raw_bytes_per_token": verifier.raw_bytes_per_token,
+        "store_size_vs_raw": round(disk / (n_tokens * verifier.raw_bytes_per_token), 3),
+    }  # fmt: skip
+    print(f"{len(rows)} samples, {n_tokens} tokens, {ROUNDS} alternating rounds: plain prefill "
+          f"{figures['plain_tokens_per_s']:.0f} tok/s, extraction {figures['extraction_tokens_per_s']:.0f} tok/s: "
+          f"extraction takes {figures['extraction_time_vs_plain_prefill']:.2f}x plain prefill's time "
+          f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}; without the store writes "
+          f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x); "
+          f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
+          f"({verifier.raw_bytes_per_token} B/token)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "extract.json").write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main(Path(__file__).resolve().parent / "results")

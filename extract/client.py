@@ -1,0 +1,285 @@
+"""Extraction client: token ids in, bf16 hidden states out, committed to the store shard by shard.
+
+One sample is one request to a vLLM server running the `extract_hidden_states`
+speculative method with a hidden-states connector: `POST /v1/completions` with the
+token ids as prompt and `max_tokens=1`. The response names a staged safetensors file
+(`kv_transfer_params.hidden_states_path`) holding `hidden_states [T, L, H]` (ascending
+layer id, the model's dtype) and `token_ids [T]`. The connector writes that file one
+engine step *after* the response, holding an exclusive flock on `<file>.lock` until it
+is complete, so the client keeps more requests in flight than the server batches and
+reads each file once its lock is free, then deletes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from dspark.store import Sample, ShardStore, bf16_to_bits
+
+SHM = Path("/dev/shm")
+# How often a waiting reader retries a staged file's lock; the file lands within one
+# engine step (~0.1-3 s on CPU), so 10 ms polling costs nothing and adds no latency.
+LOCK_POLL_S = 0.01
+
+
+class ServerFailure(RuntimeError):
+    """The server stopped answering, failed internally, or never delivered a file: restart and retry."""
+
+
+class ExtractionError(RuntimeError):
+    """A sample or the server's answer for it is wrong in a way a retry cannot fix."""
+
+
+@dataclass
+class Row:
+    """One tokenized sample of the dataset."""
+
+    sample_id: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def default_staging_root() -> Path:
+    """tmpfs (/dev/shm) when there is one: staged files are written and deleted at request rate."""
+    if SHM.is_dir() and os.access(SHM, os.W_OK):
+        return SHM
+    return Path(tempfile.gettempdir())
+
+
+class HiddenStatesClient:
+    """Requests hidden states of single samples from one extraction server (an async context manager)."""
+
+    def __init__(self, url: str, model: str, *, n_layers: int, hidden_size: int, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.n_layers = n_layers
+        self.hidden_size = hidden_size
+        self.timeout_s = timeout_s
+        self._http: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> HiddenStatesClient:
+        # No connection limit below the caller's concurrency: every request must reach the server.
+        self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=httpx.Limits(max_connections=None))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._http is not None
+        await self._http.aclose()
+
+    async def extract(self, row: Row) -> Sample:
+        """The sample with its hidden states as bf16 bits [T, L, H]; the staged file is deleted."""
+        path = await self._request(row)
+        try:
+            hidden = await self._read_staged(path, row)
+        finally:
+            for p in (path, path + ".lock"):
+                try:
+                    os.remove(p)
+                except FileNotFoundError:
+                    pass
+        return Sample(
+            sample_id=row.sample_id,
+            token_ids=np.asarray(row.input_ids, dtype=np.int32),
+            loss_mask=np.asarray(row.loss_mask, dtype=np.uint8),
+            hidden=hidden,
+        )
+
+    async def _request(self, row: Row) -> str:
+        assert self._http is not None, "use HiddenStatesClient as `async with`"
+        where = f"sample {row.sample_id}"
+        payload = {"model": self.model, "prompt": row.input_ids, "max_tokens": 1, "return_token_ids": True}
+        try:
+            resp = await self._http.post(f"{self.url}/v1/completions", json=payload)
+        except httpx.TransportError as err:
+            raise ServerFailure(f"{where}: no answer from {self.url}: {type(err).__name__}: {err}") from err
+        if resp.status_code >= 500:
+            raise ServerFailure(f"{where}: {self.url} failed with HTTP {resp.status_code}: {resp.text[:500]}")
+        if resp.status_code != 200:
+            raise ExtractionError(
+                f"{where}: {self.url} refused the request (HTTP {resp.status_code}): {resp.text[:500]}")
+        body = resp.json()
+        echoed = body["choices"][0].get("prompt_token_ids")
+        if echoed != row.input_ids:
+            raise ExtractionError(
+                f"{where}: the server echoed other prompt token ids than it was sent "
+                f"({_first_difference(echoed, row.input_ids)}); it must not re-tokenize the prompt"
+            )
+        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ExtractionError(
+                f"{where}: the response has no kv_transfer_params.hidden_states_path; is {self.url} running "
+                "with --speculative-config method=extract_hidden_states and a hidden-states connector?"
+            )
+        return path
+
+    async def _read_staged(self, path: str, row: Row) -> np.ndarray:
+        where = f"sample {row.sample_id}"
+        deadline = time.monotonic() + self.timeout_s
+        # The connector creates and locks `<path>.lock` before the response leaves the server.
+        try:
+            lock_fd = os.open(path + ".lock", os.O_RDONLY)
+        except FileNotFoundError:
+            raise ExtractionError(
+                f"{where}: no lock file beside {path}: the server's connector must keep its "
+                "synchronization lock on (use_synchronization_lock, the default)"
+            ) from None
+        try:
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    data = load_file(path)
+                    break
+                except BlockingIOError:  # locked: still being written
+                    if time.monotonic() > deadline:
+                        raise ServerFailure(f"{where}: staged file {path} not written within "
+                                            f"{self.timeout_s:.0f}s") from None
+                    await asyncio.sleep(LOCK_POLL_S)
+                except FileNotFoundError:
+                    # The writer holds the lock until the file is complete: free lock, no file
+                    # = the writer is gone (the server died or dropped the request).
+                    raise ServerFailure(f"{where}: the server released {path}.lock without writing the file") from None
+                except SafetensorError as err:  # truncated: the writer died mid-file
+                    raise ServerFailure(f"{where}: staged file {path} is incomplete: {err}") from err
+        finally:
+            os.close(lock_fd)
+        return self._checked_bits(data, row)
+
+    def _checked_bits(self, data: dict[str, torch.Tensor], row: Row) -> np.ndarray:
+        where = f"sample {row.sample_id}"
+        hidden, token_ids = data.get("hidden_states"), data.get("token_ids")
+        if hidden is None or token_ids is None:
+            raise ExtractionError(f"{where}: staged file lacks hidden_states/token_ids (has {sorted(data)})")
+        if token_ids.tolist() != row.input_ids:
+            raise ExtractionError(
+                f"{where}: staged token_ids differ from the sample "
+                f"({_first_difference(token_ids.tolist(), row.input_ids)})"
+            )
+        expected = (len(row.input_ids), self.n_layers, self.hidden_size)
+        if tuple(hidden.shape) != expected:
+            raise ExtractionError(
+                f"{where}: staged hidden_states have shape {list(hidden.shape)}, expected {list(expected)} "
+                "(tokens, stored layers, hidden size): was the server started with other layer ids?"
+            )
+        finite = torch.isfinite(hidden)
+        if not bool(finite.all()):
+            t, layer, _ = (~finite).nonzero()[0].tolist()
+            raise ExtractionError(f"{where}: non-finite hidden state at token {t}, stored layer {layer}")
+        return bf16_to_bits(hidden)
+
+
+def _first_difference(got: Sequence[int] | None, want: Sequence[int]) -> str:
+    if got is None:
+        return "none echoed"
+    if len(got) != len(want):
+        return f"{len(got)} tokens instead of {len(want)}"
+    k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    return f"first difference at position {k}: {got[k]} instead of {want[k]}"
+
+
+class ShardWriter:
+    """Buffers extracted samples and commits them as shards of bounded size, one commit at a time."""
+
+    def __init__(self, store: ShardStore, *, shard_samples: int, shard_tokens: int,
+                 on_commit: Callable[[dict], None] | None = None):
+        if shard_samples < 1 or shard_tokens < 1:
+            raise ValueError(f"shard_samples and shard_tokens must be >= 1, got {shard_samples}, {shard_tokens}")
+        self.store = store
+        self.shard_samples = shard_samples
+        self.shard_tokens = shard_tokens
+        self.on_commit = on_commit
+        self._buffer: list[Sample] = []
+        self._buffered_tokens = 0
+        self._lock = asyncio.Lock()
+        self._writing: set[asyncio.Future] = set()
+
+    async def add(self, sample: Sample) -> None:
+        self._buffer.append(sample)
+        self._buffered_tokens += len(sample.token_ids)
+        if len(self._buffer) >= self.shard_samples or self._buffered_tokens >= self.shard_tokens:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Commit whatever is buffered (nothing if empty); returns once no commit is running."""
+        batch, self._buffer, self._buffered_tokens = self._buffer, [], 0
+        async with self._lock:
+            await self._drain()
+            if not batch:
+                return
+            future = asyncio.ensure_future(asyncio.to_thread(self.store.write_shard, batch))
+            self._writing.add(future)
+            future.add_done_callback(self._committed)
+            # shield: a cancelled caller leaves the write running to its end (commit or
+            # clean failure); the next flush waits for it before writing again.
+            await asyncio.shield(future)
+
+    async def _drain(self) -> None:
+        # A failed write whose caller was cancelled only loses its batch from memory:
+        # those samples are not in the manifest, so the next pass extracts them again.
+        await asyncio.gather(*self._writing, return_exceptions=True)
+
+    def _committed(self, future: asyncio.Future) -> None:
+        self._writing.discard(future)
+        if self.on_commit is not None and not future.cancelled() and future.exception() is None:
+            self.on_commit(future.result())
+
+
+async def extract_rows(
+    client: HiddenStatesClient,
+    rows: Sequence[Row],
+    writer: ShardWriter,
+    *,
+    concurrency: int,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> None:
+    """Extract `rows` with up to `concurrency` requests in flight and commit them through `writer`.
+
+    Whatever finished is committed before this returns or raises (the first error wins;
+    ServerFailure means: restart the server and call again with the rows still missing).
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    todo = iter(rows)
+
+    async def worker() -> None:
+        for row in todo:  # one shared iterator: every row is taken exactly once
+            sample = await client.extract(row)
+            if on_sample is not None:
+                on_sample(sample)
+            await writer.add(sample)
+
+    tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(rows)))]
+    if not tasks:
+        return
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()  # re-raises the first failure
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await writer.flush()
+
+
+__all__ = [
+    "ExtractionError",
+    "HiddenStatesClient",
+    "Row",
+    "ServerFailure",
+    "ShardWriter",
+    "default_staging_root",
+    "extract_rows",
+]

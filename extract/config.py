@@ -1,0 +1,49 @@
+"""Schemas of the extraction stage's config sections (defaults live in conf/extract.yaml, conf/server/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    """How a local vLLM server is started (the `server` group, shared by every pass)."""
+
+    env: dict[str, str]
+    """Environment variables set for the server on top of the current ones."""
+    extra_args: list[str]
+    """Arguments appended to the `vllm.entrypoints.openai.api_server` command line."""
+    ready_timeout_s: float
+    """How long a server may take to answer /health and /v1/models."""
+    stop_timeout_s: float
+    """Grace period between SIGTERM and SIGKILL when stopping."""
+
+
+@dataclass
+class ExtractConfig:
+    """Pass 1b: tokenized splits -> hidden states in shard stores."""
+
+    splits: list[str]
+    """Splits to extract: `<data_dir>/<split>.jsonl` -> store `<store_dir>/<split>`."""
+    data_dir: str
+    """Tokenized dataset written by `python -m extract.data`."""
+    store_dir: str
+    """Parent of the per-split shard stores (a local path or an fsspec URL)."""
+    run_dir: str
+    """Server logs and `extract-summary.json`."""
+    server_url: str | None
+    """An already running server in extraction mode (same layer ids!); null = start `gpus` servers."""
+    connector: str
+    """`auto` (stock on CUDA, cpu otherwise), `cpu` (extract.connector) or `stock` (vLLM's CUDA connector)."""
+    staging_dir: str | None
+    """Directory the server writes per-request files to; null = /dev/shm when present, else the temp dir."""
+    concurrency: int
+    """Requests in flight per server."""
+    shard_samples: int
+    """A shard is committed once it holds this many samples ..."""
+    shard_tokens: int
+    """... or this many tokens."""
+    request_timeout_s: float
+    """Timeout of one request, including the wait for its staged file."""
+    max_restarts: int
+    """Restarts allowed per server before the run fails."""

@@ -1,0 +1,427 @@
+"""The extraction stage end to end: tokenized splits -> vLLM servers -> shard stores -> summary.
+
+Each split `<data_dir>/<split>.jsonl` goes to its own store `<store_dir>/<split>`. A rerun
+opens the store, deletes shards a killed run left uncommitted, and extracts only the
+samples not committed yet. `gpus` servers run side by side (on CPU: processes pinned to
+disjoint cores), each fed a contiguous range of the missing samples and writing its own
+shards; a server that dies is restarted (at most `max_restarts` times) and its range
+resumes from what was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from dspark.config import TargetConfig
+from dspark.store import ShardStore
+from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.verifier import resolve_aux_layer_ids
+from extract.client import HiddenStatesClient, Row, ServerFailure, ShardWriter, default_staging_root, extract_rows
+from extract.config import ExtractConfig, ServerConfig
+from extract.dataset import Split, check_tokenizer, read_split
+from extract.server import ServerError, VLLMServer, log_tail
+
+SUMMARY = "extract-summary.json"
+CONNECTORS = ("auto", "cpu", "stock")
+CPU_CONNECTOR = ("CPUHiddenStatesConnector", "extract.connector")
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+
+
+@dataclass
+class Verifier:
+    """What extraction needs to know about the target model."""
+
+    name_or_path: str
+    model_dir: Path
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    layer_ids: list[int]
+    """Stored layer ids: the aux ids, then num_hidden_layers (the final layer, pre-norm)."""
+    tokenizer_sha256: str
+
+    @property
+    def store_target(self) -> dict:
+        return {"name_or_path": self.name_or_path, "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_hidden_layers, "layer_ids": self.layer_ids, "dtype": "bfloat16"}
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """Uncompressed bytes of one stored token: bf16 hidden states + int32 id + uint8 mask."""
+        return len(self.layer_ids) * self.hidden_size * 2 + 4 + 1
+
+
+def load_verifier(target: TargetConfig) -> Verifier:
+    from transformers import AutoConfig
+
+    model_dir = resolve_target_dir(target.name_or_path, target.revision)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    n = int(hf_config.num_hidden_layers)
+    return Verifier(
+        name_or_path=target.name_or_path,
+        model_dir=model_dir,
+        hidden_size=int(hf_config.hidden_size),
+        num_hidden_layers=n,
+        vocab_size=int(hf_config.vocab_size),
+        layer_ids=[*resolve_aux_layer_ids(hf_config, target.aux_layer_ids), n],
+        tokenizer_sha256=tokenizer_sha256(model_dir),
+    )
+
+
+# -- server setup ------------------------------------------------------------------------
+
+
+def speculative_config(layer_ids: list[int]) -> dict:
+    """vLLM's hidden-states extraction mode; vLLM stores the listed layer ids, ascending."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+
+
+def resolve_connector(setting: str, cuda: bool) -> str:
+    """`cpu` or `stock`; `auto` = stock on CUDA (its async pinned-memory copy), cpu elsewhere."""
+    if setting not in CONNECTORS:
+        raise ValueError(f"extract.connector must be one of {CONNECTORS}, got {setting!r}")
+    if setting == "auto":
+        return "stock" if cuda else "cpu"
+    return setting
+
+
+def kv_transfer_config(connector: str, staging_dir: Path) -> dict:
+    config = {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)}}
+    if connector == "stock":
+        return {"kv_connector": STOCK_CONNECTOR, **config}
+    name, module = CPU_CONNECTOR
+    return {"kv_connector": name, "kv_connector_module_path": module, **config}
+
+
+def server_args(layer_ids: list[int], connector: str, staging_dir: Path, extra_args: list[str]) -> list[str]:
+    return ["--speculative-config", json.dumps(speculative_config(layer_ids)),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(connector, staging_dir)),
+            "--disable-uvicorn-access-log",  # one line per sample otherwise
+            *extra_args]
+
+
+def server_envs(gpus: int, cuda: bool, base: dict[str, str]) -> list[dict[str, str]]:
+    """Per-server environment: one CUDA device each, or (CPU, several servers) disjoint cores each."""
+    if cuda:
+        import torch
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if gpus > len(devices):
+            raise ValueError(f"gpus={gpus} but {len(devices)} CUDA device(s) are visible")
+        return [{**base, "CUDA_VISIBLE_DEVICES": devices[i]} for i in range(gpus)]
+    if gpus == 1 or "VLLM_CPU_OMP_THREADS_BIND" in base:
+        return [dict(base) for _ in range(gpus)]
+    cores = sorted(os.sched_getaffinity(0))
+    if gpus > len(cores):
+        raise ValueError(f"gpus={gpus} CPU servers need a core each, but only {len(cores)} are available")
+    groups = np.array_split(np.array(cores), gpus)
+    return [{**base, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, g))} for g in groups]
+
+
+class ServerSlot:
+    """One server feeding one writer: its URL, and the way to restart it when it fails."""
+
+    def __init__(self, url: str, server: VLLMServer | None = None, staging_dir: Path | None = None,
+                 max_restarts: int = 0, executor: ThreadPoolExecutor | None = None):
+        self.url = url
+        self.server = server
+        self.staging_dir = staging_dir
+        self.max_restarts = max_restarts
+        self.executor = executor
+
+    @property
+    def restarts(self) -> int:
+        return self.server.restarts if self.server is not None else 0
+
+    async def restart(self, failure: ServerFailure) -> None:
+        if self.server is None:
+            raise ServerError(f"the extraction server at {self.url} failed ({failure}); it was not started "
+                              "by this run, so it is not restarted: fix it and rerun (committed work is kept)")
+        log = self.server.log_path
+        if self.restarts >= self.max_restarts:
+            raise ServerError(f"the vLLM server at {self.url} failed again after {self.restarts} restart(s) "
+                              f"({failure}); last lines of {log}:\n{log_tail(log)}")
+        tqdm.write(f"server {self.url} failed ({failure}); restart {self.restarts + 1}/{self.max_restarts}")
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._restart)
+
+    def _restart(self) -> None:
+        self.server.stop()
+        _fresh_dir(self.staging_dir)
+        self.server.restart()
+
+
+def _fresh_dir(path: Path | None) -> None:
+    """Empty staging dir: files of requests a dead server or a killed run left behind go away."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+
+
+def served_model(url: str) -> str:
+    with httpx.Client(timeout=30) as client:
+        models = client.get(f"{url.rstrip('/')}/v1/models").json()["data"]
+    return models[0]["id"]
+
+
+class ManagedServers:
+    """`gpus` extraction servers started together and stopped together (a context manager)."""
+
+    def __init__(self, verifier: Verifier, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, gpus: int):
+        import torch
+
+        cuda = torch.cuda.is_available()
+        self.connector = resolve_connector(ex.connector, cuda)
+        run_dir = Path(ex.run_dir).resolve()
+        root = Path(ex.staging_dir) if ex.staging_dir else default_staging_root()
+        # Named after the run dir: a rerun after a kill finds and clears its own leftovers.
+        self.staging = root / f"dspark-extract-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
+        # Restarts run here, not on the event loop: a restart takes minutes and the other
+        # servers keep working meanwhile. The pool's threads live until every server is
+        # stopped, which matters because a server dies with the thread that started it.
+        self.executor = ThreadPoolExecutor(max_workers=gpus, thread_name_prefix="vllm-restart")
+        self.slots = []
+        for i, env in enumerate(server_envs(gpus, cuda, dict(srv.env))):
+            staging = self.staging / f"server-{i}"
+            server = VLLMServer(
+                verifier.model_dir, run_dir / "logs",
+                extra_args=server_args(verifier.layer_ids, self.connector, staging, list(srv.extra_args)),
+                env=env, ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
+                # +1: a sample may fill target.max_model_len and the request adds one generated token.
+                max_model_len=target.max_model_len + 1, dtype=target.dtype,
+            )
+            self.slots.append(ServerSlot(server.url, server, staging, ex.max_restarts, self.executor))
+
+    def __enter__(self) -> list[ServerSlot]:
+        try:
+            for slot in self.slots:
+                _fresh_dir(slot.staging_dir)
+                slot.server.launch()  # all boot at once; then wait for each
+            for slot in self.slots:
+                slot.server.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.slots
+
+    def __exit__(self, *exc) -> None:
+        for slot in self.slots:
+            slot.server.stop()
+        self.executor.shutdown()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+# -- extraction --------------------------------------------------------------------------
+
+
+class Progress:
+    """Progress bar of one split: samples, tokens/s, MB committed (raw bf16), ETA."""
+
+    def __init__(self, split: str, total: int, done: int, raw_bytes_per_token: int):
+        self.raw_bytes_per_token = raw_bytes_per_token
+        self.tokens = 0
+        self.committed_bytes = 0
+        self.start = time.monotonic()
+        self.bar = tqdm(total=total, initial=done, unit="sample", desc=f"extract {split}",
+                        file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+
+    def sample(self, sample) -> None:
+        self.tokens += len(sample.token_ids)
+        self.bar.update()
+        self._postfix()
+
+    def commit(self, entry: dict) -> None:
+        self.committed_bytes += entry["n_tokens"] * self.raw_bytes_per_token
+        self._postfix()
+
+    def _postfix(self) -> None:
+        rate = self.tokens / max(time.monotonic() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {self.committed_bytes / 2**20:,.1f} MB written", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def open_split_store(store_url: str, verifier: Verifier, split: Split) -> ShardStore:
+    return ShardStore.create_or_open(store_url, verifier.store_target, verifier.tokenizer_sha256,
+                                     extra_attrs={"split": split.name, "data_sha256": split.sha256})
+
+
+async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Verifier, ex: ExtractConfig,
+               progress: Progress) -> None:
+    """Extract `rows` through one server into `store`, restarting the server when it fails."""
+    writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens,
+                         on_commit=progress.commit)
+    model = served_model(slot.url)
+    while rows:
+        try:
+            async with HiddenStatesClient(slot.url, model, n_layers=len(verifier.layer_ids),
+                                          hidden_size=verifier.hidden_size, timeout_s=ex.request_timeout_s) as client:
+                await extract_rows(client, rows, writer, concurrency=ex.concurrency, on_sample=progress.sample)
+        except ServerFailure as failure:
+            await slot.restart(failure)
+        done = store.committed_sample_ids()
+        rows = [r for r in rows if r.sample_id not in done]
+
+
+async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str, verifier: Verifier,
+                        split: Split, ex: ExtractConfig, progress: Progress) -> None:
+    """Split `rows` into contiguous ranges, one per server, each written by its own writer."""
+    size, extra = divmod(len(rows), len(slots))
+    bounds = [i * size + min(i, extra) for i in range(len(slots) + 1)]
+    ranges = [rows[a:b] for a, b in zip(bounds, bounds[1:])]
+    try:
+        async with asyncio.TaskGroup() as group:
+            for slot, part in zip(slots, ranges):
+                if part:
+                    group.create_task(feed(slot, part, open_split_store(store_url, verifier, split),
+                                           verifier, ex, progress))
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None  # the first failure, not a group wrapper
+
+
+def store_bytes(url: str) -> int | None:
+    """Bytes the store takes on its filesystem (None when the backend cannot tell)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        return int(fs.du(path, total=True))
+    except (NotImplementedError, OSError):
+        return None
+
+
+def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, gpus: int) -> dict:
+    """The whole stage; returns (and writes to `run_dir/extract-summary.json`) the summary."""
+    start = time.monotonic()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if ex.server_url and gpus != 1:
+        raise ValueError(f"extract.server_url names one server; gpus={gpus} needs them started here (server_url=null)")
+    if not ex.splits:
+        raise ValueError("extract.splits is empty: nothing to extract")
+    verifier = load_verifier(target)
+    check_tokenizer(Path(ex.data_dir), verifier.tokenizer_sha256, target.name_or_path)
+    splits = [read_split(Path(ex.data_dir), name, max_tokens=target.max_model_len, vocab_size=verifier.vocab_size)
+              for name in ex.splits]
+
+    plan = []
+    for split in splits:
+        url = f"{ex.store_dir.rstrip('/')}/{split.name}"
+        store = open_split_store(url, verifier, split)
+        removed = store.clean_uncommitted()
+        if removed:
+            print(f"{url}: removed {len(removed)} uncommitted shard(s) of an interrupted run")
+        done = store.committed_sample_ids()
+        plan.append((split, url, [r for r in split.rows if r.sample_id not in done], len(done)))
+
+    restarts: list[int] = []
+    connector = None
+    timings: dict[str, float] = {}
+    if any(todo for _, _, todo, _ in plan):
+        if ex.server_url:
+            slots_cm = _External(ex.server_url)
+        else:
+            slots_cm = ManagedServers(verifier, target, ex, srv, gpus)
+            connector = slots_cm.connector
+        with slots_cm as slots:
+            for split, url, todo, done in plan:
+                if not todo:
+                    continue
+                progress = Progress(split.name, len(split.rows), done, verifier.raw_bytes_per_token)
+                t0 = time.monotonic()
+                try:
+                    asyncio.run(extract_split(slots, todo, url, verifier, split, ex, progress))
+                finally:
+                    progress.close()
+                timings[split.name] = time.monotonic() - t0
+            restarts = [s.restarts for s in slots]
+
+    summary = {
+        "target": verifier.store_target | {"model_dir": str(verifier.model_dir)},
+        "gpus": gpus, "connector": connector, "server_url": ex.server_url,
+        "restarts": sum(restarts), "restarts_per_server": restarts,
+        "seconds": round(time.monotonic() - start, 2),
+        "splits": {split.name: _split_summary(split, url, todo, timings.get(split.name), verifier)
+                   for split, url, todo, _ in plan},
+    }  # fmt: skip
+    run_dir = Path(ex.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{SUMMARY}.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, run_dir / SUMMARY)
+    print(format_summary(summary, run_dir / SUMMARY))
+    return summary
+
+
+class _External:
+    """The one already running server of `extract.server_url` (never started or stopped here)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+
+    def __enter__(self) -> list[ServerSlot]:
+        return [ServerSlot(self.url)]
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | None, verifier: Verifier) -> dict:
+    store = ShardStore.open(url)
+    missing = len({r.sample_id for r in split.rows} - store.committed_sample_ids())
+    if missing:
+        raise RuntimeError(f"{url}: {missing} sample(s) of {split.path} are not in the store after extraction")
+    n_tokens = sum(s["n_tokens"] for s in store.manifest["shards"])
+    tokens_extracted = sum(len(r.input_ids) for r in todo)
+    disk = store_bytes(url)
+    return {
+        "store": url, "samples": len(split.rows), "tokens": n_tokens, "shards": len(store.manifest["shards"]),
+        "samples_extracted": len(todo), "tokens_extracted": tokens_extracted,
+        "seconds": None if seconds is None else round(seconds, 2),
+        "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds else None,
+        "store_bytes": disk,
+        "store_bytes_per_token": None if disk is None else round(disk / n_tokens, 1),
+        "raw_bytes_per_token": verifier.raw_bytes_per_token,
+    }  # fmt: skip
+
+
+def format_summary(summary: dict, path: Path) -> str:
+    lines = [f"extraction summary ({path}): {summary['seconds']:.0f}s, {summary['restarts']} server restart(s)"]
+    for name, s in summary["splits"].items():
+        per_token = s["store_bytes_per_token"]
+        ratio = "" if per_token is None else (
+            f", {per_token:.0f} B/token on disk ({per_token / s['raw_bytes_per_token']:.2f}x raw)")
+        speed = "" if not s["seconds"] else f" in {s['seconds']:.0f}s ({s['tokens_per_s']:,.0f} tok/s)"
+        lines.append(f"  {name:5s}: {s['samples']} samples, {s['tokens']} tokens in {s['shards']} shard(s); "
+                     f"{s['samples_extracted']} extracted{speed}{ratio}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "ManagedServers",
+    "ServerSlot",
+    "Verifier",
+    "extract_split",
+    "kv_transfer_config",
+    "load_verifier",
+    "resolve_connector",
+    "run_extraction",
+    "server_args",
+    "speculative_config",
+]
