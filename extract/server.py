@@ -32,6 +32,8 @@ LOG_TAIL_LINES = 60
 _PR_SET_PDEATHSIG = 1
 # Extra wait for the supervisor's own SIGKILL round before the starter kills the group itself.
 _KILL_MARGIN_S = 10.0
+# How long the supervisor lets vLLM's other processes exit by themselves after the API server.
+_GROUP_GRACE_S = 5.0
 
 
 class ServerError(RuntimeError):
@@ -232,16 +234,33 @@ def _wait_group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
 # -- the supervisor process -------------------------------------------------------------
 
 
-def _kill_rest_of_group() -> None:
-    """SIGKILL every other process of this process group (vLLM's engine and workers, if left)."""
+def _rest_of_group() -> list[int]:
+    """Other processes of this process group (vLLM's engine, workers, resource tracker)."""
     me, group = os.getpid(), os.getpgid(0)
+    pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
+        if entry.name.isdigit() and int(entry.name) != me:
+            try:
+                if os.getpgid(int(entry.name)) == group:
+                    pids.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
+
+
+def _end_rest_of_group(grace_s: float) -> None:
+    """Give the group `grace_s` to exit by itself, then SIGKILL what is left.
+
+    The grace matters: multiprocessing's resource tracker unlinks shared-memory segments
+    vLLM leaves behind when it exits; killed at once, they would stay in /dev/shm.
+    """
+    deadline = time.monotonic() + grace_s
+    while (left := _rest_of_group()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
         try:
-            if os.getpgid(int(entry.name)) == group:
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
@@ -270,7 +289,8 @@ def supervise(stop_timeout_s: float, cmd: list[str]) -> int:
         except subprocess.TimeoutExpired:
             if deadline and time.monotonic() > deadline[0]:
                 break
-    _kill_rest_of_group()
+    # After a timeout the server is still running: no grace left for the group.
+    _end_rest_of_group(0 if server.poll() is None else _GROUP_GRACE_S)
     return code if code >= 0 else 128 - code
 
 
