@@ -1,0 +1,11 @@
+"""Benchmarks (`make bench`): each `bench_*.py` defines `main(out_dir) -> dict` of figures."""
+
+import json
+from pathlib import Path
+
+
+def write_figures(out_dir: Path, name: str, figures: dict) -> dict:
+    """Write `figures` to `out_dir/<name>.json` and return them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(figures, indent=2))
+    return figures

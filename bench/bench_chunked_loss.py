@@ -13,7 +13,7 @@ inputs, resets the kernel's peak-RSS counter (`/proc/self/clear_refs` = 5), runs
 and reports the peak RSS above its resident size before the loss (VmHWM − VmRSS), i.e. the
 memory the loss itself needed. Figures are reported as chunked / unchunked ratios.
 
-Run: python bench/bench_chunked_loss.py   (or python -m bench only=chunked_loss)
+Run: python -m bench.bench_chunked_loss   (or python -m bench only=chunked_loss)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from bench import write_figures
 
 VOCAB = 151_936
 ANCHORS = 512
@@ -72,7 +73,6 @@ def run_variant(chunk_slots: int, threads: int) -> dict:
     slot_mask = torch.ones(ANCHORS, BLOCK, dtype=torch.bool)
     cfg = LossConfig(weights={"ce": 0.1, "tv": 0.9}, ce_target="data", confidence_weight=1.0,
                      gamma=4.0, num_anchors=ANCHORS, chunk_size=chunk_slots)
-    params = [hidden, *w1.parameters(), *w2.parameters(), *conf.parameters()]
 
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     baseline_kib = _status_kib("VmRSS")
@@ -96,7 +96,7 @@ def run_variant(chunk_slots: int, threads: int) -> dict:
 def _spawn(chunk_slots: int, threads: int) -> dict:
     """One variant in a fresh interpreter, so its allocator and peak RSS start clean."""
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--variant", str(chunk_slots), str(threads)],
+        [sys.executable, "-m", "bench.bench_chunked_loss", "--variant", str(chunk_slots), str(threads)],
         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
     )
     if proc.returncode != 0:
@@ -131,9 +131,7 @@ def main(out_dir: Path) -> dict:
     print(f"chunked / unchunked: peak memory {figures['peak_memory_ratio']}x, wall time "
           f"{figures['wall_time_ratio']}x, cpu time {figures['cpu_time_ratio']}x, "
           f"same loss and gradient: {figures['same_result']}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "chunked_loss.json").write_text(json.dumps(figures, indent=2))
-    return figures
+    return write_figures(out_dir, "chunked_loss", figures)
 
 
 if __name__ == "__main__":

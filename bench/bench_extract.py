@@ -20,21 +20,18 @@ tmpfs as in the stage. Reported:
 extraction wall time / plain wall time, and store bytes on disk per token / raw bytes per
 token (bf16 hidden states of every stored layer + int32 token id + uint8 loss mask).
 
-Run: python bench/bench_extract.py   (or python -m bench only=extract)
+Run: python -m bench.bench_extract   (or python -m bench only=extract)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.config import TargetConfig, to_dataclass  # noqa: E402
 from dspark.store import ShardStore  # noqa: E402
@@ -42,6 +39,7 @@ from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging
 from extract.config import ExtractConfig, ServerConfig  # noqa: E402
 from extract.pipeline import Verifier, load_verifier, server_args, store_bytes  # noqa: E402
 from extract.server import VLLMServer  # noqa: E402
+from bench import write_figures
 
 N_SAMPLES = 64
 ROUNDS = 3
@@ -182,9 +180,7 @@ def main(out_dir: Path) -> dict:
           f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x); "
           f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
           f"({verifier.raw_bytes_per_token} B/token)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "extract.json").write_text(json.dumps(figures, indent=2))
-    return figures
+    return write_figures(out_dir, "extract", figures)
 
 
 if __name__ == "__main__":

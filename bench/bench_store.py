@@ -14,13 +14,12 @@ store's chunking (256 tokens) and one zarr shard per array:
 Every variant is checked to read back bit-exact. Write/read times are per variant over
 all samples (reads as one slice per sample, as the trainer reads).
 
-Run: python bench/bench_store.py   (or python -m bench only=store)
+Run: python -m bench.bench_store   (or python -m bench only=store)
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from importlib.util import find_spec
@@ -28,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.store import HIDDEN_CHUNK_TOKENS, Sample, ShardStore, bf16_to_bits  # noqa: E402
+from bench import write_figures
 
 TARGET = "embedded:smollm2"
 
@@ -141,9 +140,7 @@ def main(out_dir: Path) -> dict:
         print(f"{name:6s} {figures[name]['bytes_per_token']:8.1f} B/token  "
               f"{figures[name]['compression_vs_raw']:.3f}x smaller than raw  "
               f"write {figures[name]['write_time_vs_raw']:.2f}x  read {figures[name]['read_time_vs_raw']:.2f}x raw's time")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "store.json").write_text(json.dumps(figures, indent=2))
-    return figures
+    return write_figures(out_dir, "store", figures)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
    made light here (1 draft layer, 16 anchors per sample), as a GPU step would be next to
    the CPU-side reading, so that loading is a visible share of it.
 
-Run: python bench/bench_train.py   (or python -m bench only=train)
+Run: python -m bench.bench_train   (or python -m bench only=train)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench import write_figures
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN, HEADS, KV_HEADS, MLP, VOCAB, VERIFIER_LAYERS = 576, 9, 3, 1536, 49_152, 4
@@ -198,9 +199,7 @@ def main(out_dir: Path) -> dict:
           f"{speed['tokens_per_s']['speculators']} -> ratio {speed['throughput_ratio']}")
     for name, w in wait.items():
         print(f"data wait ({name}): {100 * w['data_wait_fraction']:.1f}% of step time, {w['tokens_per_s']} tokens/s")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "train.json").write_text(json.dumps(figures, indent=2))
-    return figures
+    return write_figures(out_dir, "train", figures)
 
 
 if __name__ == "__main__":
