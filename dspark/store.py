@@ -35,26 +35,27 @@ only once it is old; it stays invisible meanwhile.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import socket
-import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import numpy as np
 import zarr
-from fsspec.implementations.local import LocalFileSystem
 from zarr.codecs import BloscCodec, BloscShuffle, ZstdCodec
-from zarr.storage import FsspecStore, LocalStore
+
+from dspark.store_files import (
+    WRITERS,
+    LocalClaim,
+    LocalFiles,
+    RemoteClaim,
+    RemoteFiles,
+    files_for,
+    json_bytes,
+)
 
 if TYPE_CHECKING:  # torch is imported on use: readers and `extract.verify` need only numpy + zarr
     import torch
@@ -62,7 +63,6 @@ if TYPE_CHECKING:  # torch is imported on use: readers and `extract.verify` need
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARDS = "shards"
-WRITERS = ".writers"
 TARGET_KEYS = ("name_or_path", "hidden_size", "num_hidden_layers", "layer_ids", "dtype")
 MANIFEST_ENTRY_TYPES = {"name": str, "n_samples": int, "n_tokens": int, "checksums": dict}
 ARRAY_DTYPES = {
@@ -88,12 +88,6 @@ HIDDEN_CODEC = BloscCodec(
 SMALL_CODEC = ZstdCodec(level=3)
 # Hashing/verifying reads this many rows at a time so memory stays ~ a few chunks.
 VERIFY_ROWS = 16 * HIDDEN_CHUNK_TOKENS
-# Object storage has no lock that dies with its holder: a manifest lock older than
-# this is assumed abandoned (a manifest update takes well under a second) ...
-REMOTE_LOCK_STALE_S = 120.0
-# ... and an unfinished shard whose claim is older than this is assumed dead.
-REMOTE_CLAIM_STALE_S = 24 * 3600.0
-LOCK_TIMEOUT_S = 600.0
 MAX_CLAIM_ATTEMPTS = 1000
 
 
@@ -161,10 +155,6 @@ def _le_bytes(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
 
 
-def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=1) + "\n").encode()
-
-
 def _normalized(obj: Any) -> Any:
     """What `obj` looks like after a JSON round trip (tuples -> lists), for comparisons."""
     return json.loads(json.dumps(obj))
@@ -178,259 +168,6 @@ def _shard_indices(names: Iterable[str]) -> set[int]:
     return {int(n) for n in names if n.isdigit()}
 
 
-def _claim_info() -> bytes:
-    return _json_bytes({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
-
-
-def _age_s(info: bytes | None) -> float:
-    """Seconds since a claim/lock file was written; unreadable content counts as ancient."""
-    try:
-        return time.time() - float(json.loads(info)["time"])  # type: ignore[arg-type]
-    except (TypeError, ValueError, KeyError):
-        return float("inf")
-
-
-# ---------------------------------------------------------------------------------------
-# File operations the zarr API does not cover: atomic replace, claims, the manifest lock.
-# One implementation per kind of filesystem, chosen from the URL.
-# ---------------------------------------------------------------------------------------
-
-
-class _LocalClaim:
-    """An exclusively created claim file, flock-ed for as long as the name is in use."""
-
-    def __init__(self, fd: int, path: Path):
-        self.fd, self.path = fd, path
-
-    def release(self) -> None:
-        # Unlink before unlocking: nobody can then lock this file and judge its owner dead.
-        with suppress(FileNotFoundError):
-            self.path.unlink()
-        os.close(self.fd)
-
-
-class _LocalFiles:
-    """Store on a POSIX filesystem (local disk or NFS): O_EXCL claims, flock, fsync + rename."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def zarr_store(self, read_only: bool) -> LocalStore:
-        return LocalStore(self.root, read_only=read_only)
-
-    def prepare(self) -> None:
-        (self.root / WRITERS).mkdir(parents=True, exist_ok=True)
-
-    def read_bytes(self, rel: str) -> bytes | None:
-        try:
-            return (self.root / rel).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def names_in(self, rel: str) -> list[str]:
-        try:
-            return os.listdir(self.root / rel)
-        except FileNotFoundError:
-            return []
-
-    def replace_atomically(self, rel: str, data: bytes) -> None:
-        # rename(2) within one filesystem is atomic: readers see the old or the new file,
-        # never a partial one. The temp file therefore sits next to the target (a move
-        # across filesystems is a copy + delete and is not atomic). fsync before the
-        # rename so a crash cannot leave the new name pointing at unwritten blocks, and
-        # fsync the directory so the rename itself survives a crash.
-        target = self.root / rel
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with suppress(OSError):
-                tmp.unlink()
-            raise
-        self._fsync_dir(target.parent)
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        with open(self.root / WRITERS / "manifest.lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released by the kernel if we die
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-    def _claim_path(self, name: str) -> Path:
-        return self.root / WRITERS / f"{name}.claim"
-
-    def claimed_names(self) -> list[str]:
-        return [n.removesuffix(".claim") for n in self.names_in(WRITERS) if n.endswith(".claim")]
-
-    def try_claim(self, name: str) -> _LocalClaim | None:
-        path = self._claim_path(name)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-        except FileExistsError:
-            return None
-        return self._lock_claim(fd, path, info=_claim_info())
-
-    def take_over(self, name: str) -> _LocalClaim | None:
-        """Claim `name` if nobody holds it (its writer finished or died); None if in use."""
-        path = self._claim_path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return self.try_claim(name)
-        return self._lock_claim(fd, path, info=None)
-
-    @staticmethod
-    def _lock_claim(fd: int, path: Path, info: bytes | None) -> _LocalClaim | None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # A cleaner may have unlinked (and someone re-created) the file between our
-            # open and our lock: only the file still at `path` is the claim.
-            if os.stat(path).st_ino != os.fstat(fd).st_ino:
-                raise FileNotFoundError(path)
-        except (BlockingIOError, FileNotFoundError):
-            os.close(fd)
-            return None
-        if info is not None:
-            os.write(fd, info)
-        return _LocalClaim(fd, path)
-
-    def remove_tree(self, rel: str) -> None:
-        with suppress(FileNotFoundError):
-            shutil.rmtree(self.root / rel)
-
-    def sync_tree(self, rel: str) -> None:
-        """fsync every file and directory under `rel` (zarr's LocalStore does not)."""
-        top = self.root / rel
-        for dirpath, _, filenames in os.walk(top):
-            for name in filenames:
-                fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            self._fsync_dir(Path(dirpath))
-        self._fsync_dir(top.parent)
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-class _RemoteClaim:
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
-        self.fs, self.path = fs, path
-
-    def release(self) -> None:
-        with suppress(FileNotFoundError):
-            self.fs.rm(self.path)
-
-
-class _RemoteFiles:
-    """Store on any other fsspec filesystem (object storage, memory://)."""
-
-    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str, storage_options: dict):
-        self.url, self.fs, self.root, self.storage_options = url, fs, root.rstrip("/"), storage_options
-
-    def zarr_store(self, read_only: bool) -> FsspecStore:
-        return FsspecStore.from_url(self.url, storage_options=self.storage_options or None, read_only=read_only)
-
-    def _path(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
-
-    def prepare(self) -> None:
-        self.fs.makedirs(self._path(WRITERS), exist_ok=True)
-
-    def read_bytes(self, rel: str) -> bytes | None:
-        try:
-            return self.fs.cat_file(self._path(rel))
-        except FileNotFoundError:
-            return None
-
-    def names_in(self, rel: str) -> list[str]:
-        try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._path(rel), detail=False)]
-        except FileNotFoundError:
-            return []
-
-    def replace_atomically(self, rel: str, data: bytes) -> None:
-        # Object stores have no rename: fsspec's mv is a server-side copy + delete. Each
-        # object PUT/copy is atomic (readers get the old or the new object, never a
-        # partial one), so the manifest still flips in one step; a crash between copy
-        # and delete leaves only a stray temp object, which nothing reads.
-        tmp = self._path(f".{rel}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
-        self.fs.pipe_file(tmp, data)
-        self.fs.mv(tmp, self._path(rel))
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        path = self._path(f"{WRITERS}/manifest.lock")
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                self.fs.pipe_file(path, _claim_info(), mode="create")
-                break
-            except FileExistsError:
-                if _age_s(self.read_bytes(f"{WRITERS}/manifest.lock")) > REMOTE_LOCK_STALE_S:
-                    with suppress(FileNotFoundError):
-                        self.fs.rm(path)  # abandoned by a dead writer
-                elif time.monotonic() > deadline:
-                    raise TimeoutError(f"manifest lock {path} held for over {LOCK_TIMEOUT_S:.0f} s") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            with suppress(FileNotFoundError):
-                self.fs.rm(path)
-
-    def _claim_rel(self, name: str) -> str:
-        return f"{WRITERS}/{name}.claim"
-
-    def claimed_names(self) -> list[str]:
-        return [n.removesuffix(".claim") for n in self.names_in(WRITERS) if n.endswith(".claim")]
-
-    def try_claim(self, name: str) -> _RemoteClaim | None:
-        path = self._path(self._claim_rel(name))
-        try:
-            self.fs.pipe_file(path, _claim_info(), mode="create")
-        except FileExistsError:
-            return None
-        return _RemoteClaim(self.fs, path)
-
-    def take_over(self, name: str) -> _RemoteClaim | None:
-        info = self.read_bytes(self._claim_rel(name))
-        if info is not None:
-            if _age_s(info) < REMOTE_CLAIM_STALE_S:
-                return None
-            with suppress(FileNotFoundError):
-                self.fs.rm(self._path(self._claim_rel(name)))
-        return self.try_claim(name)
-
-    def remove_tree(self, rel: str) -> None:
-        if self.fs.exists(self._path(rel)):
-            self.fs.rm(self._path(rel), recursive=True)
-
-    def sync_tree(self, rel: str) -> None:
-        """Nothing to do: an object store acknowledges a PUT only once it is durable."""
-
-
-def _files_for(url: str, storage_options: dict | None) -> _LocalFiles | _RemoteFiles:
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if isinstance(fs, LocalFileSystem):
-        return _LocalFiles(Path(root))
-    return _RemoteFiles(url, fs, root, storage_options or {})
-
-
-# ---------------------------------------------------------------------------------------
 
 
 def validate_target(target: dict) -> dict:
@@ -479,7 +216,7 @@ class ShardStore:
     for the format and the multi-writer protocol.
     """
 
-    def __init__(self, url: str, files: _LocalFiles | _RemoteFiles, *, read_only: bool,
+    def __init__(self, url: str, files: LocalFiles | RemoteFiles, *, read_only: bool,
                  storage_options: dict | None):
         self.url = url
         self.read_only = read_only
@@ -522,7 +259,7 @@ class ShardStore:
             "tokenizer_sha256": tokenizer_sha256,
             **(extra_attrs or {}),
         })
-        files = _files_for(url, storage_options)
+        files = files_for(url, storage_options)
         files.prepare()
         # Under the manifest lock so that two writers starting together create it once.
         with files.locked():
@@ -532,7 +269,7 @@ class ShardStore:
                     raise FileExistsError(f"{url} is not a shard store (no zarr.json) and not empty: {others[:5]}")
                 root = zarr.open_group(files.zarr_store(read_only=False), mode="a", attributes=identity)
                 root.create_group(SHARDS)
-                files.replace_atomically(MANIFEST, _json_bytes({"format_version": FORMAT_VERSION, "shards": []}))
+                files.replace_atomically(MANIFEST, json_bytes({"format_version": FORMAT_VERSION, "shards": []}))
         store = cls(url, files, read_only=False, storage_options=storage_options)
         diffs = _identity_differences(_normalized(store.attrs), identity)
         if diffs:
@@ -546,7 +283,7 @@ class ShardStore:
     def open(cls, url: str | Path, storage_options: dict | None = None) -> ShardStore:
         """Open an existing store read-only."""
         url = str(url)
-        files = _files_for(url, storage_options)
+        files = files_for(url, storage_options)
         if files.read_bytes("zarr.json") is None:
             raise FileNotFoundError(f"no shard store at {url} (no zarr.json)")
         return cls(url, files, read_only=True, storage_options=storage_options)
@@ -676,7 +413,7 @@ class ShardStore:
             raise ValueError(f"write_shard: sample ids already committed in {self.url}: {dup[:10]}"
                              + (f" (+{len(dup) - 10} more)" if len(dup) > 10 else ""))
 
-    def _claim_name(self) -> tuple[str, _LocalClaim | _RemoteClaim]:
+    def _claim_name(self) -> tuple[str, LocalClaim | RemoteClaim]:
         for _ in range(MAX_CLAIM_ATTEMPTS):
             name = self.next_shard_name()
             claim = self._files.try_claim(name)
@@ -714,7 +451,7 @@ class ShardStore:
             manifest = self._read_manifest()
             self._check_new_ids(arrays["sample_ids"], manifest)  # another writer may have committed them meanwhile
             manifest["shards"].append(entry)
-            self._files.replace_atomically(MANIFEST, _json_bytes(manifest))
+            self._files.replace_atomically(MANIFEST, json_bytes(manifest))
         self.manifest = manifest
         return entry
 

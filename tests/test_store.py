@@ -22,6 +22,7 @@ import torch
 import zarr
 
 from dspark import store as store_mod
+from dspark import store_files
 from dspark.store import (
     Sample,
     ShardStore,
@@ -389,7 +390,7 @@ def test_fsspec_urls(tmp_path):
     assert not [p for p in fs.ls(f"{root}/.writers", detail=False) if p.endswith((".claim", ".lock"))]
     # Remote claims cannot die with their writer: an unfinished shard is cleaned only once
     # its claim is stale, and stays invisible until then.
-    for name, age in (("00002", store_mod.REMOTE_CLAIM_STALE_S + 60), ("00003", 0.0)):
+    for name, age in (("00002", store_files.REMOTE_CLAIM_STALE_S + 60), ("00003", 0.0)):
         fs.pipe_file(f"{root}/.writers/{name}.claim", json.dumps({"time": time.time() - age}).encode())
         fs.pipe_file(f"{root}/shards/{name}/zarr.json", b"{}")
     assert len(store.index()) == 4
