@@ -29,7 +29,7 @@ fsspec URL) claims and the lock are exclusive creates (`pipe_file(mode="create")
 safe only where the backend makes that a conditional write (local, memory, S3 with
 If-None-Match, GCS generation preconditions); fsspec's generic fallback checks then
 writes, which two writers can race. Liveness there is judged by age
-(`REMOTE_CLAIM_STALE_S`, `REMOTE_LOCK_STALE_S`), so a dead writer's leftover is cleaned
+(`store_files.REMOTE_CLAIM_STALE_S`, `REMOTE_LOCK_STALE_S`), so a dead writer's leftover is cleaned
 only once it is old; it stays invisible meanwhile.
 """
 
