@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +38,6 @@ COUNTERS = {
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 DSPARK_NEEDS_CUDA = "vLLM serves DSpark only on its GPU (V2) runner; no CUDA device here, so DSpark was not served"
-
-# httpx logs one INFO line per request: it would drown the report in the console.
-logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass

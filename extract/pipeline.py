@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -308,7 +307,6 @@ def store_bytes(url: str) -> int | None:
 def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, gpus: int) -> dict:
     """The whole stage; returns (and writes to `run_dir/extract-summary.json`) the summary."""
     start = time.monotonic()
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     if ex.server_url and gpus != 1:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ from extract.data.sources import Conversation
 from extract.data.tokenize import ChatTokenizer
 
 
-# httpx logs every request at INFO; the progress bar already says what is going on.
-logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class RegenerationError(RuntimeError):
