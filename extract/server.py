@@ -16,7 +16,7 @@ leaves nothing running.
 from __future__ import annotations
 
 import atexit
-import ctypes
+import functools
 import os
 import signal
 import socket
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import httpx
 
+from dspark.lifetime import die_with_parent
+
 LOG_TAIL_LINES = 60
-_PR_SET_PDEATHSIG = 1
 # Extra wait for the supervisor's own SIGKILL round before the starter kills the group itself.
 _KILL_MARGIN_S = 10.0
 # How long the supervisor lets vLLM's other processes exit by themselves after the API server.
@@ -54,14 +55,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _die_with_parent() -> None:
-    """Runs in the supervisor before exec: SIGTERM it when the starting thread's process dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the atexit/context-manager stop still applies
 
 
 class VLLMServer:
@@ -152,7 +145,8 @@ class VLLMServer:
                 # A session of its own: Ctrl-C in a terminal reaches only the stage, which
                 # then stops the server in order.
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                # SIGTERM the supervisor (before exec) when the starting thread dies.
+                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
             )
         atexit.register(self.stop)
 
