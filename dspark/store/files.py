@@ -1,6 +1,6 @@
 """File operations of the shard store that the zarr API does not cover: atomic replace,
 shard-name claims and the manifest lock. One implementation per kind of filesystem,
-chosen from the URL (`files_for`); `dspark.store` explains the protocol.
+chosen from the URL (`files_for`); the `dspark.store` package docstring explains the protocol.
 """
 
 from __future__ import annotations
