@@ -4,7 +4,8 @@ Layout (a public format, read by users' own tools too; documented in the README)
 
     <store>/zarr.json        root group; attrs `format_version` (int), `target` = {`name_or_path`,
                              `hidden_size`, `num_hidden_layers`, `layer_ids` (ascending, last =
-                             `num_hidden_layers`), `dtype`: "bfloat16"}, `tokenizer_sha256`, extra attrs
+                             `num_hidden_layers`), `dtype`: "bfloat16" | "float8_e4m3fn"},
+                             `tokenizer_sha256`, extra attrs
     <store>/manifest.json    {"format_version", "shards": [{"name", "n_samples", "n_tokens", "checksums"}]}
     <store>/shards/00000/    one group per shard, written by one writer, never modified after commit:
         hidden     [T, L, H] uint16  bf16 bit patterns, layers in `layer_ids` order
@@ -14,6 +15,12 @@ Layout (a public format, read by users' own tools too; documented in the README)
         sample_ids [n]       int64
         attrs `checksums` = {array name: sha256 hex of its C-order little-endian bytes}
     <store>/.writers/        shard-name claims and the manifest lock (bookkeeping, not data)
+
+FP8 stores (`target.dtype` "float8_e4m3fn") write `format_version` 2 (bf16 stores stay 1):
+        hidden       [T, L, H] uint8    e4m3fn bit patterns
+        hidden_scale [T, L]    float32  value = decode(hidden) * hidden_scale[..., None], the scale
+                                        being the row's amax / 448 (1 if all zero); see `fp8`
+and the checksums cover `hidden_scale` too. Readers return bf16 bit patterns from both.
 
 A shard exists only once `manifest.json` lists it. A writer writes its whole shard group
 first, then adds it to the manifest; a crash or full disk before that leaves an invisible
@@ -33,12 +40,15 @@ writes, which two writers can race. Liveness there is judged by age
 only once it is old; it stays invisible meanwhile.
 
 Modules by role: `format` (version, names, dtypes, codecs, `Sample`, bf16 bits, attr
-checks), `reader` (`ShardStore`: open, index, read), `writer` (`StoreWriter`: create,
+checks), `fp8` (e4m3 quantization), `reader` (`ShardStore`: open, index, read), `writer` (`StoreWriter`: create,
 claims, commit, clean), `verify` (end-to-end check), `files` (filesystem layer).
 """
 
 from dspark.store.format import (
+    BF16,
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    FP8,
     HIDDEN_CHUNK_TOKENS,
     Sample,
     SampleRef,
@@ -52,7 +62,10 @@ from dspark.store.reader import ShardStore
 from dspark.store.writer import StoreWriter
 
 __all__ = [
+    "BF16",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
+    "FP8",
     "HIDDEN_CHUNK_TOKENS",
     "Sample",
     "SampleRef",

@@ -17,7 +17,12 @@ from zarr.codecs import BloscCodec, BloscShuffle, ZstdCodec
 if TYPE_CHECKING:  # torch is imported on use: readers and `extract.verify` need only numpy + zarr
     import torch
 
-FORMAT_VERSION = 1
+BF16 = "bfloat16"
+FP8 = "float8_e4m3fn"
+# A store's `target.dtype` fixes its format_version: bf16 stores stay version 1 (readable by
+# every release), FP8 stores (hidden as e4m3 bits + a scale per token and layer) are version 2.
+FORMAT_VERSIONS = {BF16: 1, FP8: 2}
+FORMAT_VERSION = FORMAT_VERSIONS[BF16]
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 TARGET_KEYS = ("name_or_path", "hidden_size", "num_hidden_layers", "layer_ids", "dtype")
@@ -29,6 +34,7 @@ ARRAY_DTYPES = {
     "offsets": np.dtype(np.int64),
     "sample_ids": np.dtype(np.int64),
 }
+FP8_ARRAY_DTYPES = {**ARRAY_DTYPES, "hidden": np.dtype(np.uint8), "hidden_scale": np.dtype(np.float32)}
 # A sample (hundreds to a few thousand tokens) spans a few hidden chunks; one chunk of
 # Qwen3-0.6B's 4 stored layers x 1024 is 2 MiB, big enough for zstd to find structure.
 HIDDEN_CHUNK_TOKENS = 256
@@ -41,6 +47,11 @@ TOKEN_CHUNK_TOKENS = 4096
 # zarr implementations read the store too.
 HIDDEN_CODEC = BloscCodec(
     cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle, typesize=2, blocksize=1 << 20
+)
+# e4m3 bytes: zstd's entropy coder squeezes the skewed exponent bits (bench/bench_fp8.py
+# compares levels and filters); byte shuffle is a no-op at typesize 1.
+FP8_HIDDEN_CODEC = BloscCodec(
+    cname="zstd", clevel=3, shuffle=BloscShuffle.noshuffle, typesize=1, blocksize=1 << 20
 )
 SMALL_CODEC = ZstdCodec(level=3)
 # Hashing/verifying reads this many rows at a time so memory stays ~ a few chunks.
@@ -58,7 +69,7 @@ class Sample:
     sample_id: int
     token_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
-    hidden: np.ndarray  # uint16 [T, L, H], bf16 bit patterns
+    hidden: np.ndarray  # uint16 [T, L, H], bf16 bit patterns (what an FP8 store's reader dequantizes to)
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,11 @@ def shard_indices(names: Iterable[str]) -> set[int]:
     return {int(n) for n in names if n.isdigit()}
 
 
+def array_dtypes(target: dict) -> dict[str, np.dtype]:
+    """The arrays of every shard group of a store with this `target`, and their dtypes."""
+    return FP8_ARRAY_DTYPES if target.get("dtype") == FP8 else ARRAY_DTYPES
+
+
 def validate_target(target: dict) -> dict:
     """Check the store's `target` attrs; returns them JSON-normalized. Errors name the field."""
     missing = [k for k in TARGET_KEYS if k not in target]
@@ -143,8 +159,9 @@ def validate_target(target: dict) -> dict:
             f"target.layer_ids must end with the final layer {t['num_hidden_layers']} "
             f"(= num_hidden_layers), got {ids}"
         )
-    if t["dtype"] != "bfloat16":
-        raise ValueError(f"target.dtype must be 'bfloat16' (hidden is stored as bf16 bits), got {t['dtype']!r}")
+    if t["dtype"] not in FORMAT_VERSIONS:
+        raise ValueError(f"target.dtype must be one of {list(FORMAT_VERSIONS)} (how hidden is stored), "
+                         f"got {t['dtype']!r}")
     return t
 
 

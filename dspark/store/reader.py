@@ -12,14 +12,16 @@ import zarr
 
 from dspark.store.files import LocalFiles, RemoteFiles, files_for
 from dspark.store.format import (
-    ARRAY_DTYPES,
-    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    FP8,
     MANIFEST,
     MANIFEST_ENTRY_TYPES,
     SHARDS,
     Sample,
     SampleRef,
+    array_dtypes,
 )
+from dspark.store.fp8 import dequantize
 from dspark.store.verify import verify_store
 
 if TYPE_CHECKING:
@@ -40,13 +42,16 @@ class ShardStore:
         # A reader's zarr store is read-only; `StoreWriter` opens it writable (mode "r+").
         self._root = zarr.open_group(files.zarr_store(read_only=self._zarr_mode == "r"), mode=self._zarr_mode)
         self.attrs: dict = dict(self._root.attrs)
-        version = self.attrs.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise ValueError(
-                f"{url}: store format_version {version!r} is not readable by this version "
-                f"(reads format_version <= {FORMAT_VERSION})"
-            )
         self.target: dict = self.attrs["target"]
+        version, dtype = self.attrs.get("format_version"), self.target.get("dtype")
+        if version != FORMAT_VERSIONS.get(dtype):
+            known = ", ".join(f"{v} = {d}" for d, v in FORMAT_VERSIONS.items())
+            raise ValueError(
+                f"{url}: store format_version {version!r} is not readable as target.dtype {dtype!r} "
+                f"by this version (reads format_version {known} states)"
+            )
+        self.fp8 = dtype == FP8
+        self.array_dtypes = array_dtypes(self.target)
         self.manifest: dict = self._read_manifest()
         self._arrays: dict[str, dict[str, zarr.Array]] = {}
         self._bounds: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -123,7 +128,7 @@ class ShardStore:
     def _shard_arrays(self, name: str) -> dict[str, zarr.Array]:
         if name not in self._arrays:
             group = self.shard_group(name)
-            self._arrays[name] = {k: group[k] for k in ARRAY_DTYPES}
+            self._arrays[name] = {k: group[k] for k in self.array_dtypes}
         return self._arrays[name]
 
     def _boundaries(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -143,14 +148,18 @@ class ShardStore:
         return refs
 
     def read(self, ref: SampleRef) -> Sample:
-        """The sample at `ref`: one contiguous slice of each token-wise array."""
+        """The sample at `ref`: one contiguous slice of each token-wise array.
+
+        `hidden` is bf16 bit patterns in every store: an FP8 store's are dequantized here.
+        """
         arrays = self._shard_arrays(ref.shard)
         rows = slice(ref.start, ref.end)
+        hidden = arrays["hidden"][rows]
         return Sample(
             sample_id=ref.sample_id,
             token_ids=arrays["token_ids"][rows],
             loss_mask=arrays["loss_mask"][rows],
-            hidden=arrays["hidden"][rows],
+            hidden=dequantize(hidden, arrays["hidden_scale"][rows]) if self.fp8 else hidden,
         )
 
     def verify(self, on_shard: Callable[[str, list[str]], None] | None = None) -> list[str]:

@@ -10,7 +10,6 @@ import numpy as np
 import zarr
 
 from dspark.store.format import (
-    ARRAY_DTYPES,
     MANIFEST,
     SHARDS,
     VERIFY_ROWS,
@@ -59,7 +58,7 @@ def _verify_shard(store: ShardStore, entry: dict) -> tuple[list[str], list[int]]
     where = f"{SHARDS}/{name}"
     try:
         group = store.shard_group(name)
-        arrays = {k: group[k] for k in ARRAY_DTYPES}
+        arrays = {k: group[k] for k in store.array_dtypes}
         attr_sums = dict(group.attrs).get("checksums")
     except Exception as e:  # noqa: BLE001 - any failure to open is a finding, not a crash
         return [f"{where}: cannot open group/arrays: {type(e).__name__}: {e}"], []
@@ -67,14 +66,15 @@ def _verify_shard(store: ShardStore, entry: dict) -> tuple[list[str], list[int]]
     if attr_sums != entry["checksums"]:
         problems.append(f"{where}: checksums in the shard attrs differ from {MANIFEST}")
     t, n = entry["n_tokens"], entry["n_samples"]
+    n_layers = len(target["layer_ids"])
     expected_shapes = {
-        "hidden": (t, len(target["layer_ids"]), target["hidden_size"]),
+        "hidden": (t, n_layers, target["hidden_size"]), "hidden_scale": (t, n_layers),
         "token_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,), "sample_ids": (n,),
     }
     readable = {}
     for key, arr in arrays.items():
-        if arr.dtype != ARRAY_DTYPES[key]:
-            problems.append(f"{where}/{key}: dtype {arr.dtype}, expected {ARRAY_DTYPES[key]}")
+        if arr.dtype != store.array_dtypes[key]:
+            problems.append(f"{where}/{key}: dtype {arr.dtype}, expected {store.array_dtypes[key]}")
         if tuple(arr.shape) != expected_shapes[key]:
             problems.append(f"{where}/{key}: shape {list(arr.shape)}, expected {list(expected_shapes[key])}")
         try:
@@ -97,6 +97,10 @@ def _verify_shard(store: ShardStore, entry: dict) -> tuple[list[str], list[int]]
         sample_ids = ids.tolist()
     if "loss_mask" in readable and not np.isin(readable["loss_mask"][...], (0, 1)).all():
         problems.append(f"{where}/loss_mask: values other than 0/1")
+    if "hidden_scale" in readable:
+        scale = readable["hidden_scale"][...]
+        if not (np.isfinite(scale) & (scale > 0)).all():
+            problems.append(f"{where}/hidden_scale: values that are not finite and positive")
     return problems, sample_ids
 
 

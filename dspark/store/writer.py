@@ -11,7 +11,8 @@ import zarr
 
 from dspark.store.files import WRITERS, LocalClaim, RemoteClaim, files_for, json_bytes
 from dspark.store.format import (
-    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    FP8_HIDDEN_CODEC,
     HIDDEN_CHUNK_TOKENS,
     HIDDEN_CODEC,
     MANIFEST,
@@ -27,6 +28,7 @@ from dspark.store.format import (
     shard_name,
     validate_target,
 )
+from dspark.store.fp8 import quantize
 from dspark.store.reader import ShardStore
 
 MAX_CLAIM_ATTEMPTS = 1000
@@ -53,9 +55,11 @@ class StoreWriter(ShardStore):
             raise ValueError(f"extra_attrs may not set the reserved root attrs {sorted(reserved)}")
         if not isinstance(tokenizer_sha256, str) or not tokenizer_sha256:
             raise ValueError(f"tokenizer_sha256 must be a non-empty string, got {tokenizer_sha256!r}")
+        target = validate_target(target)
+        version = FORMAT_VERSIONS[target["dtype"]]
         identity = normalized({
-            "format_version": FORMAT_VERSION,
-            "target": validate_target(target),
+            "format_version": version,
+            "target": target,
             "tokenizer_sha256": tokenizer_sha256,
             **(extra_attrs or {}),
         })
@@ -69,7 +73,7 @@ class StoreWriter(ShardStore):
                     raise FileExistsError(f"{url} is not a shard store (no zarr.json) and not empty: {others[:5]}")
                 root = zarr.open_group(files.zarr_store(read_only=False), mode="a", attributes=identity)
                 root.create_group(SHARDS)
-                files.replace_atomically(MANIFEST, json_bytes({"format_version": FORMAT_VERSION, "shards": []}))
+                files.replace_atomically(MANIFEST, json_bytes({"format_version": version, "shards": []}))
         store = cls(url, files, storage_options)
         diffs = identity_differences(normalized(store.attrs), identity)
         if diffs:
@@ -110,11 +114,11 @@ class StoreWriter(ShardStore):
             claim.release()
 
     def _pack(self, samples: Sequence[Sample]) -> dict[str, np.ndarray]:
-        """Validate samples and concatenate them into the shard's arrays."""
+        """Validate samples and concatenate them into the shard's arrays (FP8: quantized per sample)."""
         if not samples:
             raise ValueError("write_shard: no samples given")
         n_layers, hidden_size = len(self.target["layer_ids"]), self.target["hidden_size"]
-        hidden, token_ids, loss_mask = [], [], []
+        hidden, scales, token_ids, loss_mask = [], [], [], []
         for s in samples:
             where = f"sample {s.sample_id}"
             h = np.asarray(s.hidden)
@@ -136,6 +140,12 @@ class StoreWriter(ShardStore):
                 raise ValueError(f"{where}: loss_mask must be bool/int of shape [{t}], got {mask.dtype} {list(mask.shape)}")
             if not np.isin(mask, (0, 1)).all():
                 raise ValueError(f"{where}: loss_mask must hold only 0/1")
+            if self.fp8:
+                try:
+                    h, scale = quantize(h)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from e
+                scales.append(scale)
             hidden.append(h)
             token_ids.append(ids.astype(np.int32))
             loss_mask.append(mask.astype(np.uint8))
@@ -145,6 +155,7 @@ class StoreWriter(ShardStore):
         lengths = [len(t) for t in token_ids]
         return {
             "hidden": np.concatenate(hidden),
+            **({"hidden_scale": np.concatenate(scales)} if self.fp8 else {}),
             "token_ids": np.concatenate(token_ids),
             "loss_mask": np.concatenate(loss_mask),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
@@ -171,7 +182,10 @@ class StoreWriter(ShardStore):
             name, overwrite=True, attributes={"checksums": checksums})
         for key, data in arrays.items():
             if key == "hidden":
-                chunk, codec, dims = HIDDEN_CHUNK_TOKENS, HIDDEN_CODEC, ("token", "layer", "hidden")
+                codec = FP8_HIDDEN_CODEC if self.fp8 else HIDDEN_CODEC
+                chunk, dims = HIDDEN_CHUNK_TOKENS, ("token", "layer", "hidden")
+            elif key == "hidden_scale":
+                chunk, codec, dims = TOKEN_CHUNK_TOKENS, SMALL_CODEC, ("token", "layer")
             elif key in ("token_ids", "loss_mask"):
                 chunk, codec, dims = TOKEN_CHUNK_TOKENS, SMALL_CODEC, ("token",)
             else:
@@ -187,8 +201,8 @@ class StoreWriter(ShardStore):
     def _commit(self, name: str, arrays: dict[str, np.ndarray], checksums: dict[str, str]) -> dict:
         entry = {
             "name": name,
-            "n_samples": int(len(arrays["sample_ids"])),
-            "n_tokens": int(len(arrays["token_ids"])),
+            "n_samples": len(arrays["sample_ids"]),
+            "n_tokens": len(arrays["token_ids"]),
             "checksums": checksums,
         }
         with self._files.locked():
