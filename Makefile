@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup demo data extract train eval serve test bench verify clean
+.PHONY: setup demo data extract train eval serve test bench ablate verify clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ test: setup
 
 bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench $(ARGS)
+
+# Training variants side by side (bench/ablate.yaml): held-out tau with standard errors.
+ablate: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ablate $(ARGS)
 
 clean:
 	rm -rf runs outputs bench/results .pytest_cache

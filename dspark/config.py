@@ -76,6 +76,10 @@ class LossConfig:
     """Anchors sampled per sequence (uniformly, without replacement, every step)."""
     chunk_size: int
     """Slots per chunk of the vocabulary-sized loss computation (bounds peak memory)."""
+    anchor_sampling: str
+    """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""
+    anchor_pool: int | None
+    """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
 
 
 T_cfg = TypeVar("T_cfg")

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from dspark.config import DraftConfig, LossConfig, TargetConfig, to_dataclass
 from dspark.export import load_drafter
+from dspark.init import init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.store import ShardStore
 from dspark.targets import EMBEDDED_PREFIX, resolve_target_dir, tokenizer_sha256
@@ -255,6 +256,8 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     # On the device first: the draft then shares the verifier's embedding instead of copying it.
     verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
     model.load_verifier(verifier)
+    if cfg.init_layers_from_verifier is not None or cfg.init_fc_from_last_aux:
+        init_from_verifier(model, target_dir, cfg.init_layers_from_verifier, cfg.init_fc_from_last_aux)
     if cfg.init_from is not None:
         warm_start(model, cfg.init_from)
 

@@ -23,6 +23,10 @@ class TrainConfig:
     """An existing vocab mapping to reuse (e.g. from an earlier run); null = the run's own or a new one."""
     init_from: str | None
     """Warm start: an exported drafter dir or a checkpoint dir; weights only, the schedule starts fresh."""
+    init_layers_from_verifier: list[int] | None
+    """Start draft layer j as a copy of verifier decoder layer ids[j] (negative = from the end); null = random."""
+    init_fc_from_last_aux: bool
+    """Start `fc` as a selection of the last aux layer ([0 … 0 | I]) instead of random."""
     resume: str
     """`auto`: continue from run_dir/checkpoints/latest if present; `never`: refuse a run with checkpoints; `must`."""
     seed: int

@@ -1,0 +1,93 @@
+"""Initialising the draft from the verifier instead of at random.
+
+The draft's decoder layers have the verifier's width (see `draft_layer_config`), so draft
+layer j can start as a copy of verifier decoder layer `layers[j]`: its attention
+projections, q/k norms, MLP and both layer norms, read by name from the verifier's
+safetensors files (only those tensors are read). `fc` can start as a selection of the last
+aux layer (`[0 … 0 | I]`), so the context injected into every draft layer starts as the
+(normed) residual stream the verifier had at that layer.
+
+Verifiers without q/k norms (llama, mistral, qwen2) leave the draft's at their init (ones);
+attention biases (qwen2) have no counterpart in the draft and are refused.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from dspark.errors import UserError
+from dspark.model import DSparkDraft
+from dspark.verifier import _find, _weight_map
+
+OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def resolve_layers(layers: list[int], num_verifier_layers: int, num_draft_layers: int) -> list[int]:
+    """Verifier layer index per draft layer (negative ids count from the end, as in Python)."""
+    if len(layers) != num_draft_layers:
+        raise UserError(f"train.init_layers_from_verifier has {len(layers)} layer ids; the draft has "
+                        f"model.num_layers={num_draft_layers}: give one verifier layer per draft layer")
+    out = [i + num_verifier_layers if i < 0 else i for i in layers]
+    bad = [i for i, j in zip(layers, out) if not 0 <= j < num_verifier_layers]
+    if bad:
+        raise UserError(f"train.init_layers_from_verifier: {bad} outside the verifier's "
+                        f"{num_verifier_layers} layers (use 0..{num_verifier_layers - 1} or -1..-{num_verifier_layers})")
+    return out
+
+
+def layer_tensor_names(model: DSparkDraft, weight_map: dict, layers: list[int]) -> dict[str, str]:
+    """Draft state-dict name -> verifier tensor name, for every tensor the copy replaces."""
+    names = {}
+    suffixes = list(model.layers[0].state_dict())
+    for j, i in enumerate(layers):
+        own = re.compile(rf"(?:^|\.)layers\.{i}\.(.+)$")
+        extra = sorted({m.group(1) for m in map(own.search, weight_map) if m} - set(suffixes))
+        if extra:
+            raise UserError(f"verifier layer {i} has tensors the draft layer lacks ({extra}): "
+                            "train.init_layers_from_verifier cannot copy it; use null (random init)")
+        for suffix in suffixes:
+            found = _find(weight_map, f"layers.{i}.{suffix}")
+            if found is None and suffix not in OPTIONAL:
+                raise UserError(f"verifier has no `layers.{i}.{suffix}` tensor to initialise draft layer {j} from")
+            if found is not None:
+                names[f"layers.{j}.{suffix}"] = found
+    return names
+
+
+@torch.no_grad()
+def init_from_verifier(model: DSparkDraft, target_dir: str | Path, layers: list[int] | None,
+                       fc_from_last_aux: bool) -> dict[str, str]:
+    """Copy verifier decoder layers into the draft's layers and/or set `fc` to select the last
+    aux layer. Returns the draft -> verifier tensor names copied."""
+    copied: dict[str, str] = {}
+    if layers is not None:
+        weight_map = _weight_map(Path(target_dir))
+        hf_config = AutoConfig.from_pretrained(target_dir)
+        num_verifier = int((getattr(hf_config, "text_config", None) or hf_config).num_hidden_layers)
+        copied = layer_tensor_names(model, weight_map, resolve_layers(layers, num_verifier, len(model.layers)))
+        params = dict(model.named_parameters())
+        by_file = defaultdict(list)
+        for ours, theirs in copied.items():
+            by_file[weight_map[theirs]].append((ours, theirs))
+        for file, pairs in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for ours, theirs in pairs:
+                    value = f.get_tensor(theirs)
+                    if value.shape != params[ours].shape:
+                        raise UserError(f"verifier tensor {theirs} is {tuple(value.shape)}, draft {ours} is "
+                                        f"{tuple(params[ours].shape)}")
+                    params[ours].copy_(value.to(params[ours].dtype))
+    if fc_from_last_aux:
+        hidden = model.layer_config.hidden_size
+        model.fc.weight.zero_()
+        model.fc.weight[:, -hidden:] = torch.eye(hidden, dtype=model.fc.weight.dtype)
+    return copied
+
+
+__all__ = ["init_from_verifier", "resolve_layers"]
