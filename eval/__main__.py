@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.config import TargetConfig, to_dataclass
+from dspark.entry import stage_main
+from dspark.errors import UserError
 from eval.config import EvalConfig
 from eval.evaluate import evaluate_drafter
 from extract.config import ServerConfig
@@ -25,7 +26,7 @@ def run(cfg: DictConfig) -> dict:
     """Evaluate `cfg.drafter`; returns the report (also written to `eval.out_dir/report.json`)."""
     drafter = Path(cfg.drafter)
     if not (drafter / "config.json").is_file():
-        raise FileNotFoundError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
+        raise UserError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
     return evaluate_drafter(drafter, *stage_configs(cfg))
 
 
@@ -48,7 +49,7 @@ def headline(report: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf", config_name="eval", version_base=None)
+@stage_main("eval")
 def main(cfg: DictConfig) -> None:
     report = run(cfg)
     print(headline(report))

@@ -18,7 +18,6 @@ import os
 import shutil
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 import zarr
@@ -26,6 +25,7 @@ from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 
 from dspark.config import to_dataclass
+from dspark.entry import stage_main
 from dspark.export import CONFIG_FILE, META_FILE, WEIGHTS_FILE
 from dspark.store import ShardStore
 from dspark.targets import resolve_target_dir
@@ -182,7 +182,7 @@ def run(cfg: DictConfig) -> dict:
 __all__ = ["PRUNE_REPORT", "draft_token_ids", "kept_token_ids", "load_counts", "prune_drafter", "run", "store_counts"]
 
 
-@hydra.main(config_path="../conf", config_name="prune", version_base=None)
+@stage_main("prune")
 def main(cfg: DictConfig) -> None:
     report = run(cfg)
     for key in ("original", "pruned"):

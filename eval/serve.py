@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.config import TargetConfig, to_dataclass
+from dspark.entry import stage_main
 from dspark.targets import resolve_target_dir
 from extract.config import ServerConfig
 from extract.server import VLLMServer
@@ -49,7 +49,7 @@ def speculative_config(drafter: Path, cfg: ServeConfig) -> dict:
     return spec
 
 
-@hydra.main(config_path="../conf", config_name="serve", version_base=None)
+@stage_main("serve")
 def main(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     target = to_dataclass(TargetConfig, cfg.target)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.errors import UserError
 from extract.client import Row
 
 SUMMARY = "summary.json"
@@ -19,7 +20,7 @@ SUMMARY = "summary.json"
 SHOWN = 5
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """The tokenized dataset is missing, empty, malformed or made for another target."""
 
 
@@ -42,7 +43,7 @@ def check_tokenizer(data_dir: Path, tokenizer_sha256: str, target_name: str) -> 
     except FileNotFoundError:
         raise DatasetError(f"{path} not found: extraction needs the tokenized dataset of `python -m extract.data` "
                            f"(make data) for this target") from None
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError and JSONDecodeError included
         raise DatasetError(f"{path}: no target.tokenizer_sha256 recorded ({type(err).__name__}: {err})") from err
     if recorded != tokenizer_sha256:
         raise DatasetError(
@@ -67,7 +68,8 @@ def read_split(data_dir: Path, name: str, *, max_tokens: int, vocab_size: int) -
     rows: list[Row] = []
     seen: dict[int, int] = {}
     too_long: list[str] = []
-    for lineno, line in enumerate(raw.decode().splitlines(), start=1):
+    for lineno, line_bytes in enumerate(raw.splitlines(), start=1):
+        line = _decoded(line_bytes, f"{path}:{lineno}")
         if not line.strip():
             continue
         row = _parse_row(line, f"{path}:{lineno}", vocab_size)
@@ -87,6 +89,14 @@ def read_split(data_dir: Path, name: str, *, max_tokens: int, vocab_size: int) -
         raise DatasetError(f"{path} has no samples: nothing to extract (drop {name!r} from extract.splits "
                            "or rebuild the dataset)")
     return Split(name, path, rows, hashlib.sha256(raw).hexdigest())
+
+
+def _decoded(line: bytes, where: str) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{where}: not UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1}); the data "
+                           "stage writes UTF-8 JSON lines: rebuild the dataset with `make data`") from None
 
 
 def _parse_row(line: str, where: str, vocab_size: int) -> Row:

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import sys
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from dspark.entry import stage_main
+from dspark.errors import UserError
 from dspark.store import ShardStore
 
 
 def run(cfg: DictConfig) -> int:
     """Verify the store named by `cfg.store`; returns the number of problems."""
-    store = ShardStore.open(cfg.store, OmegaConf.to_container(cfg.storage_options) or None)
+    try:
+        store = ShardStore.open(cfg.store, OmegaConf.to_container(cfg.storage_options) or None)
+    except FileNotFoundError as err:
+        raise UserError(f"store={cfg.store}: {err}") from err
     sizes = {s["name"]: (s["n_samples"], s["n_tokens"]) for s in store.manifest["shards"]}
     bar = tqdm(total=len(sizes), desc="verify", unit="shard", file=sys.stderr)
     shown: set[str] = set()
@@ -44,7 +48,7 @@ def run(cfg: DictConfig) -> int:
     return len(problems)
 
 
-@hydra.main(config_path="../conf", config_name="verify", version_base=None)
+@stage_main("verify")
 def main(cfg: DictConfig) -> None:
     if run(cfg):
         sys.exit(1)

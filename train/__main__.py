@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
+from dspark.entry import stage_main
 from train.build import build_trainer, check_devices, config_section, make_accelerator
 from train.config import TrainConfig
 
@@ -28,7 +28,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             torch.distributed.destroy_process_group()
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base=None)
+@stage_main("train")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

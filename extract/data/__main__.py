@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from dspark.config import TargetConfig, to_dataclass
+from dspark.entry import stage_main
 from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
 from extract.data.pipeline import build_dataset
@@ -25,7 +25,7 @@ def run(cfg: DictConfig) -> dict:
     )
 
 
-@hydra.main(config_path="../../conf", config_name="data", version_base=None)
+@stage_main("data")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from dspark.errors import UserError
+
 EXAMPLES_KEPT = 20  # locations listed per reason; the count is always complete
 
 
-class RowError(ValueError):
+class RowError(UserError):
     """A single row/sample is unusable; `reason` is the short tally key, the message says why."""
 
     def __init__(self, reason: str, detail: str | None = None):

@@ -22,12 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dspark.errors import UserError
 from extract.data.problems import RowError
 
 _PROBE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
 
 
-class MissingChatTemplate(ValueError):
+class MissingChatTemplate(UserError):
     """The target's tokenizer has no usable chat template: no conversation can be rendered."""
 
 

@@ -1,0 +1,73 @@
+"""The one wrapper of every `python -m <stage>` entry point: Hydra, with user errors as one line.
+
+`@stage_main("extract")` replaces `@hydra.main(config_path="../conf", config_name="extract")`.
+A `UserError` (bad input, config or environment, refused on purpose) prints
+`error: <message>` to stderr and exits with status 2, without a traceback and without
+Hydra's "Error executing job"; so does an override Hydra cannot apply (a misspelt key, a
+missing config group option), checked before Hydra runs the stage. Any other exception is
+a bug and keeps its full traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+
+from dspark.errors import UserError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+EXIT_USER_ERROR = 2
+
+
+def fail(message: str) -> None:
+    """Print one `error: ...` line (multi-line messages joined) and exit with status 2."""
+    line = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def check_overrides(config_name: str, overrides: list[str]) -> None:
+    """Compose the config once without running anything; a user error if Hydra refuses the overrides.
+
+    Command lines with Hydra flags (`--help`, `--cfg job`, `-m`) are left to Hydra itself.
+    """
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    try:
+        with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            hydra.compose(config_name=config_name, overrides=overrides)
+    except HydraException as err:
+        cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+        fail(f"{err}{cause}")
+
+
+def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], Callable[[], None]]:
+    """Decorator: `task(cfg)` becomes a Hydra entry point on conf/<config_name>.yaml with one-line user errors."""
+
+    def wrap(task: Callable[[DictConfig], object]) -> Callable[[], None]:
+        @functools.wraps(task)
+        def guarded(cfg: DictConfig) -> None:
+            try:
+                task(cfg)
+            except UserError as err:
+                fail(str(err))
+
+        hydra_main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)(guarded)
+
+        @functools.wraps(task)
+        def main() -> None:
+            check_overrides(config_name, sys.argv[1:])
+            hydra_main()
+
+        return main
+
+    return wrap
+
+
+__all__ = ["EXIT_USER_ERROR", "check_overrides", "fail", "stage_main"]

@@ -1,0 +1,116 @@
+"""Every `python -m <stage>` entry point: a user error is one `error: ...` line and exit 2, a bug keeps its traceback.
+
+Real subprocesses of the stages with bad input; no server starts (each refusal comes first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dspark.targets import tokenizer_sha256
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_target(model_dir: Path) -> list[str]:
+    return ["target.name=tiny", f"target.name_or_path={model_dir}", "target.aux_layer_ids=[1,2]",
+            "target.max_model_len=64", "target.dtype=float32"]
+
+
+def write_split(data_dir: Path, model_dir: Path | None, lines: dict[str, str]) -> Path:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    sha = tokenizer_sha256(model_dir) if model_dir else "0" * 64
+    (data_dir / "summary.json").write_text(json.dumps({"target": {"tokenizer_sha256": sha}}))
+    for split, text in lines.items():
+        (data_dir / f"{split}.jsonl").write_text(text)
+    return data_dir
+
+
+GOOD_ROW = json.dumps({"sample_id": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n"
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
+    """name -> command line of a stage run that must be refused."""
+    tmp = tmp_path_factory.mktemp("cli")
+    model = tiny_qwen3_dir
+    (tmp / "empty.jsonl").write_text("")
+    extract = [sys.executable, "-m", "extract", *tiny_target(model), f"paths.root={tmp / 'run'}",
+               "server.ready_timeout_s=1"]
+    return {
+        "extract: missing dataset": [*extract, f"extract.data_dir={tmp / 'missing'}"],
+        "extract: empty split file": [*extract, "extract.data_dir=" + str(
+            write_split(tmp / "empty", model, {"train": GOOD_ROW, "eval": ""}))],
+        "extract: dataset made for another target": [*extract, "extract.data_dir=" + str(
+            write_split(tmp / "other", None, {"train": GOOD_ROW, "eval": GOOD_ROW}))],
+        "extract: misspelt key": [*extract, "extract.sever_url=http://127.0.0.1:1"],
+        "extract.data: missing source file": [sys.executable, "-m", "extract.data", *tiny_target(model), "data=jsonl",
+                                              f"data.path={tmp / 'missing.jsonl'}", "regen.enabled=false",
+                                              f"paths.root={tmp / 'data-run'}"],
+        "extract.verify: no store": [sys.executable, "-m", "extract.verify", f"store={tmp / 'no-store'}"],
+        "eval: no drafter": [sys.executable, "-m", "eval", f"drafter={tmp / 'no-drafter'}", *tiny_target(model)],
+        "train: unknown config group option": [sys.executable, "-m", "train", "loss=no-such-loss"],
+    }
+
+
+EXPECTED = {
+    "extract: missing dataset": "summary.json not found",
+    "extract: empty split file": "eval.jsonl has no samples",
+    "extract: dataset made for another target": "tokenized with another tokenizer",
+    "extract: misspelt key": "Could not override 'extract.sever_url'",
+    "extract.data: missing source file": "missing.jsonl",
+    "extract.verify: no store": "no shard store",
+    "eval: no drafter": "not an exported drafter dir",
+    "train: unknown config group option": "no-such-loss",
+}
+
+
+@pytest.fixture(scope="module")
+def results(cases) -> dict[str, subprocess.CompletedProcess]:
+    """All stage runs at once (each mostly imports; two cores overlap them)."""
+    procs = {name: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, cmd in cases.items()}
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_user_error_is_one_line_and_exit_2(name, results):
+    res = results[name]
+    assert res.returncode == 2, f"exit {res.returncode}; stderr:\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr and "Error executing job" not in res.stderr, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, res.stderr[-3000:]
+    assert EXPECTED[name] in errors[0], errors[0]
+
+
+def test_unexpected_exception_keeps_its_traceback(tmp_path):
+    script = tmp_path / "stage.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from dspark.entry import stage_main
+        from dspark.errors import UserError
+
+        @stage_main("verify")
+        def main(cfg):
+            if cfg.store == "user":
+                raise UserError("bad store")
+            raise KeyError("a bug")
+
+        main()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    bug = subprocess.run([sys.executable, str(script), "store=bug"], env=env, capture_output=True, text=True)
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'a bug'" in bug.stderr, bug.stderr
+    user = subprocess.run([sys.executable, str(script), "store=user"], env=env, capture_output=True, text=True)
+    assert (user.returncode, user.stderr) == (2, "error: bad store\n")
