@@ -12,6 +12,9 @@ from pathlib import Path
 
 CARD_FILE = "README.md"
 ABSENT = "not recorded"
+# how the card names the drafter and a verifier known only by a local path
+DRAFTER_DIR = "<this directory>"
+VERIFIER_PATH = "<path to verifier>"
 
 
 def fmt(value) -> str:
@@ -30,9 +33,23 @@ def fmt(value) -> str:
     return str(value)
 
 
+def public(value: str | None, placeholder: str) -> str:
+    """A name as the card shows it: hub ids and relative names as they are; an absolute path of the
+    machine that trained the drafter becomes `placeholder` (the card must read right anywhere)."""
+    if not value:
+        return placeholder
+    return placeholder if os.path.isabs(value) else value
+
+
+def _cell(value) -> str:
+    if isinstance(value, str):
+        return public(value, f"<local path>/{Path(value).name}")
+    return fmt(value)
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines + [""]
 
 
@@ -45,15 +62,15 @@ def _get(d: dict | None, *keys):
 
 
 def _usage(drafter: dict) -> list[str]:
-    spec = json.dumps({"method": "dspark", "model": drafter["path"],
+    spec = json.dumps({"method": "dspark", "model": DRAFTER_DIR,
                        "num_speculative_tokens": drafter.get("speculative_tokens")})
     return [
         "## Usage",
         "",
         "```bash",
-        f"vllm serve {drafter['path']}",
+        f"vllm serve {DRAFTER_DIR}",
         "# or name the verifier explicitly (e.g. a local copy of it):",
-        f"vllm serve {drafter['verifier']} --speculative-config '{spec}'",
+        f"vllm serve {public(drafter['verifier'], VERIFIER_PATH)} --speculative-config '{spec}'",
         "```",
         "",
         "vLLM serves DSpark on its GPU runner. Add `\"enable_adaptive_verification\": true` to the",
@@ -159,7 +176,7 @@ def _online(on: dict) -> list[str]:
 def render_card(report: dict) -> str:
     drafter = report["drafter"]
     lines = [
-        f"# DSpark drafter for {drafter['verifier']}",
+        f"# DSpark drafter for {public(drafter['verifier'], Path(drafter['verifier'] or 'its verifier').name)}",
         "",
         "A DSpark speculative-decoding drafter (semi-autoregressive block drafting with a confidence head) "
         "in the speculators format that vLLM loads. Every figure below is taken from this evaluation's "
