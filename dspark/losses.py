@@ -28,23 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dspark.config import LossConfig
-from dspark.metrics import (
-    AcceptanceStats,
-    check_draft_width,
-    draft_target_ids,
-    overlap,
-    restrict_to_draft,
-)
-
-DISTRIBUTION_TERMS = ("ce", "tv", "kl")
-CE_TARGETS = ("data", "argmax")
+from dspark.config import DISTRIBUTION_TERMS, LossConfig
+from dspark.metrics import AcceptanceStats, check_draft_width, draft_target_ids
+from dspark.vocab_terms import VocabTerms, wide
 
 
 @dataclass
@@ -78,69 +71,58 @@ def weight_sum(slot_mask: Tensor, gamma: float) -> Tensor:
     return (slot_mask.to(w.dtype) * w).sum()
 
 
-def _wide(x: Tensor) -> Tensor:
-    """Half-precision logits to float32 (softmax over ~150k entries needs it); wider kept."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+def keep_budget_bytes(device: torch.device) -> int:
+    """Memory the loss may keep from forward to backward: a quarter of what is free on `device` now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 4
+    except OSError:
+        pass
+    return 1 << 30
 
 
 class _ChunkObjective:
     """Weighted term sums of one chunk of blocks (a plain callable, so it can be checkpointed)."""
 
-    def __init__(self, draft_logits_fn, confidence_fn, target_logits_fn, d2t, cfg, terms):
+    def __init__(self, draft_logits_fn, confidence_fn, target_logits_fn, d2t, cfg):
         self.draft_logits_fn = draft_logits_fn
         self.confidence_fn = confidence_fn
         self.target_logits_fn = target_logits_fn
         self.d2t = d2t
-        self.ce_target = cfg.ce_target
-        self.terms = terms
+        self.ce_argmax = cfg.ce_target == "argmax"
+        self.term_weights = tuple(float(cfg.weights.get(t, 0.0)) for t in DISTRIBUTION_TERMS)
         self.gamma = cfg.gamma
+        self.slot_bytes = 0  # bytes of one slot's kept gradient, known once a chunk has run
 
     def __call__(self, hidden, prev, target_hidden, labels, slot_mask):
-        logq = torch.log_softmax(_wide(self.draft_logits_fn(hidden, prev)), dim=-1)
-        q = logq.exp()
+        logits = self.draft_logits_fn(hidden, prev)
         with torch.no_grad():  # the verifier is frozen: its distribution is a constant target
-            logp_full = torch.log_softmax(_wide(self.target_logits_fn(target_hidden)), dim=-1)
-            check_draft_width(q.shape[-1], logp_full.shape[-1], self.d2t)
-            p = restrict_to_draft(logp_full.exp(), self.d2t)
-            logp = restrict_to_draft(logp_full, self.d2t) if "kl" in self.terms else None
-            target = logp_full.argmax(-1) if self.ce_target == "argmax" else labels.long()
-            del logp_full
-        wm = slot_mask.to(q.dtype) * position_weights(slot_mask.shape[-1], self.gamma, q.device, q.dtype)
-        alpha = overlap(q, p)
-        sums: dict[str, Tensor] = {}
-        out_of_vocab = torch.zeros((), dtype=torch.long, device=q.device)
-        if "ce" in self.terms:
-            ids, in_vocab = self._draft_ids(target, p.shape[-1] if self.d2t is None else None, q.device)
-            nll = -logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-            sums["ce"] = (nll * wm * in_vocab).sum()
-            out_of_vocab = (slot_mask & ~in_vocab).sum()
-        if "tv" in self.terms:
-            sums["tv"] = ((1.0 - alpha) * wm).sum()
-        if "kl" in self.terms:
-            with torch.no_grad():
-                mass = p.sum(-1)
-                constant = (p * logp).sum(-1) - torch.xlogy(mass, mass)
-            # einsum is a batched dot product: no extra [chunk, B, V] temporary.
-            sums["kl"] = ((constant - torch.einsum("nbv,nbv->nb", p, logq)) * wm).sum()
-        confidence = None
+            target_logits = self.target_logits_fn(target_hidden)
+        check_draft_width(logits.shape[-1], target_logits.shape[-1], self.d2t)
+        draft_ids = None if self.d2t is None else draft_target_ids(self.d2t.to(logits.device))
+        if draft_ids is not None and draft_ids.numel() and int(draft_ids[-1]) >= target_logits.shape[-1]:
+            raise ValueError(f"d2t maps draft id(s) to target id {int(draft_ids[-1])}, "
+                             f"outside the verifier vocabulary of {target_logits.shape[-1]}")
+        dtype = wide(logits).dtype
+        wm = slot_mask.to(dtype) * position_weights(slot_mask.shape[-1], self.gamma, logits.device, dtype)
+        self.slot_bytes = logits.shape[-1] * logits.element_size()
+        need_grad = torch.is_grad_enabled() and logits.requires_grad
+        objective, sums, alpha, out_of_vocab = VocabTerms.apply(
+            logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad)
+        confidence, bce_sum = None, None
         if self.confidence_fn is not None:
             logit = self.confidence_fn(hidden, prev).to(alpha.dtype)
-            bce = F.binary_cross_entropy_with_logits(logit, alpha.detach(), reduction="none")
-            sums["confidence"] = (bce * wm).sum()
+            bce = F.binary_cross_entropy_with_logits(logit, alpha, reduction="none")
+            bce_sum = (bce * wm).sum()
             confidence = torch.sigmoid(logit.detach())
-        return sums, (alpha * slot_mask).detach(), confidence, out_of_vocab
-
-    def _draft_ids(self, target: Tensor, full_vocab: int | None, device) -> tuple[Tensor, Tensor]:
-        """Draft index of each verifier token id, and whether it is in the draft vocabulary."""
-        if self.d2t is None:
-            return target.clamp(0, full_vocab - 1), torch.ones_like(target, dtype=torch.bool)
-        target_ids = draft_target_ids(self.d2t.to(device))
-        # Sorted draft ids (see dspark.vocab) make the inverse map a binary search.
-        pos = torch.searchsorted(target_ids, target).clamp(max=target_ids.shape[0] - 1)
-        return pos, target_ids[pos] == target
+        return objective, sums, bce_sum, alpha * slot_mask, confidence, out_of_vocab
 
 
-def _check_inputs(hidden, prev, target_hidden, labels, slot_mask, cfg: LossConfig) -> None:
+def _check_inputs(hidden, prev, target_hidden, labels, slot_mask) -> None:
+    """Shapes of one call (the config's values were checked when it was built: LossConfig.__post_init__)."""
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [n, B, H], got shape {tuple(hidden.shape)}")
     nb = tuple(hidden.shape[:2])
@@ -149,15 +131,6 @@ def _check_inputs(hidden, prev, target_hidden, labels, slot_mask, cfg: LossConfi
             raise ValueError(f"{name} must be [n, B] = {list(nb)}, got {list(t.shape)}")
     if target_hidden.dim() != 3 or tuple(target_hidden.shape[:2]) != nb:
         raise ValueError(f"target_hidden must be [n, B, H] with [n, B] = {list(nb)}, got {list(target_hidden.shape)}")
-    unknown = sorted(set(cfg.weights) - set(DISTRIBUTION_TERMS))
-    if unknown:
-        raise ValueError(f"loss.weights: unknown term(s) {unknown}; known: {list(DISTRIBUTION_TERMS)}")
-    if cfg.ce_target not in CE_TARGETS:
-        raise ValueError(f"loss.ce_target must be one of {list(CE_TARGETS)}, got {cfg.ce_target!r}")
-    if cfg.chunk_size < 1:
-        raise ValueError(f"loss.chunk_size must be >= 1, got {cfg.chunk_size}")
-    if cfg.gamma <= 0:
-        raise ValueError(f"loss.gamma must be > 0, got {cfg.gamma}")
 
 
 def dspark_loss(
@@ -173,6 +146,7 @@ def dspark_loss(
     *,
     confidence_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
     d2t: Tensor | None = None,
+    keep_budget: int | None = None,
 ) -> LossOutput:
     """The DSpark loss of n blocks of B slots (see the module docstring for the terms).
 
@@ -181,9 +155,11 @@ def dspark_loss(
     the pre-norm final hidden state at p+k; `confidence_fn(hidden, prev) -> [c, B]` or None;
     `prev [n, B]` the token at p+k; `labels [n, B]` the data token p+k+1; `slot_mask [n, B]`;
     `d2t [Vd]` draft→target offsets or None for the full vocabulary; `norm` the all-reduced
-    `weight_sum` (None: this batch's own, for a single process).
+    `weight_sum` (None: this batch's own, for a single process); `keep_budget` bytes of
+    per-chunk gradients kept from forward to backward (None: `keep_budget_bytes`; 0: recompute
+    every chunk but the first in backward).
     """
-    _check_inputs(hidden, prev, target_hidden, labels, slot_mask, cfg)
+    _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
     if not cfg.weights and confidence_fn is None:
         raise ValueError("loss.weights is empty and there is no confidence head: nothing to train")
     if d2t is not None:
@@ -197,38 +173,45 @@ def dspark_loss(
     # With no scored slot anywhere every sum is 0: the loss is 0, not 0/0.
     norm = torch.as_tensor(norm, dtype=torch.float64, device=hidden.device).clamp_min(1e-12)
     terms = tuple(t for t in DISTRIBUTION_TERMS if t in cfg.weights)
-    objective = _ChunkObjective(draft_logits_fn, confidence_fn, target_logits_fn, d2t, cfg, terms)
+    objective = _ChunkObjective(draft_logits_fn, confidence_fn, target_logits_fn, d2t, cfg)
 
-    # Why checkpoint: autograd keeps each op's saved tensors until backward. For the
-    # vocabulary-sized ops those are several [chunk, B, V] buffers, so merely looping over
-    # chunks would still hold every chunk's buffers at once when backward starts (memory
-    # ∝ anchors). Checkpointing keeps only each chunk's small inputs and reruns the chunk's
-    # forward inside backward, one chunk at a time, at the price of one more pass of both
-    # vocabulary projections. (A fused autograd Function with an analytic gradient could
-    # skip the rerun, but would have to know the heads' parameters; here they are opaque
-    # callables.) With a single chunk there is nothing to bound, so no checkpoint.
+    # Memory: each chunk's vocabulary-sized work (both projections, VocabTerms) runs and is
+    # freed before the next chunk starts; what outlives forward is one [chunk, B, Vd] gradient
+    # per chunk (see dspark.vocab_terms). Chunks are kept that way while their gradients fit
+    # in `keep_budget` (default: a quarter of the device's free memory); chunks past it are
+    # checkpointed instead (only their small inputs are kept, and backward reruns them, both
+    # projections included), so memory stays bounded however many anchors a batch holds.
     blocks_per_chunk = max(1, cfg.chunk_size // block_size)
-    use_checkpoint = torch.is_grad_enabled() and n > blocks_per_chunk
-    totals: dict[str, Tensor] = {}
+    if keep_budget is None and torch.is_grad_enabled():
+        keep_budget = keep_budget_bytes(hidden.device)
+    objective_total, confidence_total, term_sums = 0.0, 0.0, None
     alphas, confidences, out_of_vocab = [], [], []
+    kept = 0
     # range(max(n, 1)): an empty batch still runs the heads once (on zero blocks), so every
     # data-parallel rank builds a graph over the same parameters.
     for start in range(0, max(n, 1), blocks_per_chunk):
         chunk = slice(start, start + blocks_per_chunk)
         args = (hidden[chunk], prev[chunk], target_hidden[chunk], labels[chunk], slot_mask[chunk])
-        if use_checkpoint:
-            sums, alpha, confidence, oov = checkpoint(objective, *args, use_reentrant=False)
+        # The first chunk is always kept: its gradient is no larger than the chunk's own working memory.
+        chunk_bytes = args[0].shape[0] * block_size * objective.slot_bytes
+        if start and torch.is_grad_enabled() and kept + chunk_bytes > keep_budget:
+            obj, chunk_sums, bce, alpha, confidence, oov = checkpoint(objective, *args, use_reentrant=False)
         else:
-            sums, alpha, confidence, oov = objective(*args)
-        for name, value in sums.items():
-            totals[name] = totals[name] + value if name in totals else value
+            kept += chunk_bytes
+            obj, chunk_sums, bce, alpha, confidence, oov = objective(*args)
+        objective_total = objective_total + obj
+        term_sums = chunk_sums if term_sums is None else term_sums + chunk_sums
+        if bce is not None:
+            confidence_total = confidence_total + bce
         alphas.append(alpha)
         confidences.append(confidence)
         out_of_vocab.append(oov)
 
-    normalized = {name: value / norm.to(value.dtype) for name, value in totals.items()}
-    loss = sum((cfg.weights[t] * normalized[t] for t in terms), torch.zeros((), device=hidden.device))
-    if "confidence" in normalized:
+    norm_ = norm.to(term_sums.dtype)
+    normalized = {t: term_sums[DISTRIBUTION_TERMS.index(t)] / norm_ for t in terms}
+    loss = objective_total / norm_
+    if confidence_fn is not None:
+        normalized["confidence"] = confidence_total / norm_
         loss = loss + cfg.confidence_weight * normalized["confidence"]
     alpha = torch.cat(alphas)
     return LossOutput(
@@ -241,4 +224,4 @@ def dspark_loss(
     )
 
 
-__all__ = ["DISTRIBUTION_TERMS", "LossOutput", "dspark_loss", "position_weights", "weight_sum"]
+__all__ = ["DISTRIBUTION_TERMS", "LossOutput", "dspark_loss", "keep_budget_bytes", "position_weights", "weight_sum"]

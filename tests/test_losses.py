@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -52,6 +53,8 @@ def make_cfg(weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7
         gamma=gamma,
         num_anchors=8,
         chunk_size=chunk_size,
+        anchor_sampling="uniform",
+        anchor_pool=None,
     )
 
 
@@ -76,7 +79,8 @@ def make_case(seed: int, n: int = 7, draft_vocab: int | None = None):
     return heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t
 
 
-def run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm=None, confidence=True):
+def run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm=None, confidence=True,
+             keep_budget=None):
     return dspark_loss(
         heads.draft_logits,
         verifier.logits,
@@ -89,6 +93,7 @@ def run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2
         norm,
         confidence_fn=heads.confidence_logits if confidence else None,
         d2t=d2t,
+        keep_budget=keep_budget,
     )
 
 
@@ -161,16 +166,17 @@ def test_loss_matches_naive_loop(draft_vocab, ce_target):
     torch.testing.assert_close(out.acceptance.slots, mask.sum(0).double())
 
 
+@pytest.mark.parametrize("keep_budget", [None, 0], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("draft_vocab, ce_target", CASES[::3])
-def test_gradients_match_naive_loop(draft_vocab, ce_target):
+def test_gradients_match_naive_loop(draft_vocab, ce_target, keep_budget):
     heads, verifier, hidden, *rest = make_case(seed=2, draft_vocab=draft_vocab)
-    cfg = make_cfg(ce_target=ce_target, chunk_size=2 * B)  # several chunks: the checkpointed path
+    cfg = make_cfg(ce_target=ce_target, chunk_size=2 * B)  # several chunks
 
     def grads(loss):
         params = [hidden, *heads.parameters()]
         return torch.autograd.grad(loss, params)
 
-    got = grads(run_loss(heads, verifier, hidden, *rest, cfg).loss)
+    got = grads(run_loss(heads, verifier, hidden, *rest, cfg, keep_budget=keep_budget).loss)
     want = grads(naive_loss(heads, verifier, hidden, *rest, cfg)[0])
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
@@ -262,8 +268,8 @@ def test_half_precision_logits_are_widened():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(cfg=make_cfg(weights={"ce": 1.0, "l1": 1.0})), r"loss.weights: unknown term\(s\) \['l1'\]"),
-        (dict(cfg=make_cfg(ce_target="top1")), "loss.ce_target"),
+        (dict(cfg=dict(weights={"ce": 1.0, "l1": 1.0})), r"loss.weights: unknown term\(s\) \['l1'\]"),
+        (dict(cfg=dict(ce_target="top1")), "loss.ce_target"),
         (dict(d2t=torch.zeros(5, dtype=torch.long)), "d2t has 5"),
         (dict(labels=torch.zeros(7, B + 1, dtype=torch.long)), "labels must be"),
         (dict(d2t=None, draft_vocab=24), "pass d2t for a reduced draft vocabulary"),
@@ -273,30 +279,86 @@ def test_bad_input_names_the_field(change, message):
     heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(
         seed=8, draft_vocab=change.pop("draft_vocab", None)
     )
-    args = dict(labels=labels, d2t=d2t, cfg=make_cfg()) | change
+    args = dict(labels=labels, d2t=d2t, cfg={}) | change
     with pytest.raises(ValueError, match=message):
-        run_loss(heads, verifier, hidden, prev, target_hidden, args["labels"], slot_mask, args["d2t"], args["cfg"])
+        cfg = make_cfg(**args["cfg"])  # a bad config value is refused when the config is built
+        run_loss(heads, verifier, hidden, prev, target_hidden, args["labels"], slot_mask, args["d2t"], cfg)
 
 
-def saved_bytes_for_backward(n: int, chunk_size: int) -> int:
-    """Bytes autograd keeps from forward to backward for the loss of n blocks."""
+def saved_bytes_for_backward(n: int, keep_budget: int | None) -> int:
+    """Bytes of the distinct storages autograd keeps from forward to backward for the loss of n
+    blocks (one block per chunk; the heads' weights, saved by every chunk, count once)."""
     heads, verifier, hidden, *rest = make_case(seed=9, n=n)
-    total = 0
+    storages = {}
 
     def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_loss(heads, verifier, hidden, *rest, make_cfg(chunk_size=chunk_size))
-    return total
+        out = run_loss(heads, verifier, hidden, *rest, make_cfg(chunk_size=B), keep_budget=keep_budget)
+    del out
+    return sum(storages.values())
 
 
-def test_chunking_keeps_no_vocabulary_sized_tensor_until_backward():
-    """Checkpointed chunks keep only their inputs; a single chunk keeps [n, B, V] buffers."""
-    chunked = [saved_bytes_for_backward(n, chunk_size=B) for n in (8, 16)]
-    unchunked = [saved_bytes_for_backward(n, chunk_size=1000 * B) for n in (8, 16)]
+def test_memory_kept_for_backward_is_one_gradient_buffer_or_none():
+    """Kept chunks keep one [chunk, B, V] gradient and nothing else vocabulary-sized; chunks past
+    the budget keep only their inputs."""
     vocab_buffer = 8 * B * V * 8  # one float64 [n=8, B, V] tensor
-    assert unchunked[1] - unchunked[0] > 3 * vocab_buffer  # grows by several vocabulary-sized buffers
-    assert chunked[1] - chunked[0] < vocab_buffer  # grows by the (small) per-chunk inputs only
+    kept = [saved_bytes_for_backward(n, keep_budget=None) for n in (8, 16)]
+    recomputed = [saved_bytes_for_backward(n, keep_budget=0) for n in (8, 16)]
+    assert recomputed[1] - recomputed[0] < vocab_buffer  # the 8 more blocks' small inputs only
+    # ... and kept chunks add exactly their gradients (plus per-slot scalars).
+    assert vocab_buffer <= (kept[1] - kept[0]) - (recomputed[1] - recomputed[0]) < 1.5 * vocab_buffer
+    # A budget of 8 blocks' gradients keeps 8 chunks of 16 and recomputes the others.
+    assert recomputed[1] < saved_bytes_for_backward(16, keep_budget=vocab_buffer) < kept[1]
+
+
+def reference_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg):
+    """The previous implementation (plain autograd over softmaxes, one chunk), kept as the reference."""
+    logq = torch.log_softmax(heads.draft_logits(hidden, prev).double(), dim=-1)
+    q = logq.exp()
+    with torch.no_grad():
+        logp_full = torch.log_softmax(verifier.logits(target_hidden).double(), dim=-1)
+        ids = torch.arange(V) if d2t is None else torch.arange(len(d2t)) + d2t
+        p, logp = logp_full.exp()[..., ids], logp_full[..., ids]
+        target = logp_full.argmax(-1) if cfg.ce_target == "argmax" else labels
+        pos = torch.searchsorted(ids, target).clamp(max=len(ids) - 1)
+        in_vocab = ids[pos] == target
+    wm = slot_mask.double() * position_weights(B, cfg.gamma, dtype=torch.float64)
+    alpha = torch.minimum(q, p).sum(-1)
+    mass = p.sum(-1)
+    sums = {
+        "ce": (-logq.gather(-1, pos.unsqueeze(-1)).squeeze(-1) * wm * in_vocab).sum(),
+        "tv": ((1.0 - alpha) * wm).sum(),
+        "kl": (((p * logp).sum(-1) - torch.xlogy(mass, mass) - (p * logq).sum(-1)) * wm).sum(),
+    }
+    logit = heads.confidence_logits(hidden, prev).double()
+    sums["confidence"] = (F.binary_cross_entropy_with_logits(logit, alpha.detach(), reduction="none") * wm).sum()
+    norm = wm.sum()
+    loss = sum(cfg.weights[t] * sums[t] for t in cfg.weights) / norm + cfg.confidence_weight * sums["confidence"] / norm
+    return loss, alpha.detach() * slot_mask
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 17])
+@pytest.mark.parametrize("ce_target", ["data", "argmax"])
+def test_fused_loss_equals_previous_implementation_in_float32(draft_vocab, ce_target):
+    """Random float32 inputs, masked slots, several chunks kept and recomputed: value and every
+    gradient equal the previous implementation's (evaluated in float64) within float32 tolerance."""
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(
+        seed=10, n=13, draft_vocab=draft_vocab)
+    cfg = make_cfg(ce_target=ce_target, chunk_size=3 * B)
+    params = [hidden, *heads.parameters()]
+    ref_loss, ref_alpha = reference_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    heads32, verifier32 = copy.deepcopy(heads).float(), copy.deepcopy(verifier).float()
+    hidden32 = hidden.detach().float().requires_grad_()
+    for keep_budget in (None, 2 * 3 * B * V * 4):  # all chunks kept; two kept, the rest recomputed
+        out = run_loss(heads32, verifier32, hidden32, prev, target_hidden.float(), labels, slot_mask, d2t, cfg,
+                       keep_budget=keep_budget)
+        assert out.loss.dtype == torch.float32
+        grads = torch.autograd.grad(out.loss, [hidden32, *heads32.parameters()])
+        torch.testing.assert_close(out.loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.alpha.double(), ref_alpha, rtol=1e-5, atol=1e-6)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-6)

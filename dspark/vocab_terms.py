@@ -1,0 +1,119 @@
+"""The vocabulary-sized part of the DSpark loss as one autograd Function: value and gradient in one pass.
+
+Per slot, from the draft logits z `[Vd]` and the verifier logits t `[V]` (see dspark.losses):
+q = softmax(z); p = softmax(t) read at the draft ids, not renormalized; m = Σ_D p;
+α = Σ min(q, p); ce = lse(z) − z_y; tv = 1 − α; kl = Σ_D p·(log p − log q) − m·log m.
+The gradient of A·ce + T·tv + K·kl (A, T, K: a slot's weights) with respect to z is closed-form:
+
+    ∂/∂z_j = q_j·(A + T·S + K·m − T·s_j) − K·p_j − A·[j = y],   s_j = [q_j < p_j],  S = Σ_v s_v·q_v
+
+(at an exact tie q_j = p_j the subgradient taken is 0 where autograd's `minimum` takes ½; ties
+of non-zero probabilities do not occur in practice). Forward computes it and keeps only it: one
+`[c, B, Vd]` buffer in the logits' dtype, written over the verifier logits' storage when the
+vocabularies coincide. No softmax outlives forward, backward recomputes nothing (it scales the
+kept gradient), and on CPU the elementwise work runs over cache-sized tiles of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+TILE_ELEMENTS = 1 << 19
+"""Elements per row tile of the elementwise work on CPU (2 MiB of float32: stays in cache)."""
+
+
+def wide(x: Tensor) -> Tensor:
+    """Half-precision logits to float32 (softmax over ~150k entries needs it); wider kept."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def draft_index(target: Tensor, draft_ids: Tensor | None, draft_vocab: int) -> tuple[Tensor, Tensor]:
+    """Draft index of each verifier token id `[r]`, and whether it is in the draft vocabulary."""
+    if draft_ids is None:
+        return target.clamp(0, draft_vocab - 1), torch.ones_like(target, dtype=torch.bool)
+    # Sorted draft ids (see dspark.vocab) make the inverse map a binary search.
+    pos = torch.searchsorted(draft_ids, target).clamp(max=draft_ids.shape[0] - 1)
+    return pos, draft_ids[pos] == target
+
+
+class VocabTerms(torch.autograd.Function):
+    """Weighted sums of ce, tv, kl over a chunk of slots; differentiable in the draft logits only.
+
+    forward(logits [c, B, Vd], target_logits [c, B, V] (consumed: overwritten), labels [c, B],
+    slot_weight [c, B] (w_k on scored slots, 0 elsewhere), term_weights (ce, tv, kl) floats,
+    draft_ids [Vd] ascending verifier ids or None, ce_argmax, need_grad) ->
+    objective (Σ_t term_weights[t]·sums[t], scalar), sums [3] (ce, tv, kl, each Σ w·term),
+    alpha [c, B], out_of_vocab (scored slots whose CE label is not a draft id).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, ce_argmax, need_grad):
+        w_ce, w_tv, w_kl = term_weights
+        vd, v = logits.shape[-1], target_logits.shape[-1]
+        z = wide(logits).reshape(-1, vd)
+        t = wide(target_logits).reshape(-1, v)
+        weight = slot_weight.reshape(-1).to(z.dtype)
+        labels = labels.reshape(-1).long()
+        rows = z.shape[0]
+        grad = None
+        if need_grad:  # over the verifier logits, tile by tile once read, when shapes and dtypes allow
+            reuse = draft_ids is None and t.dtype == logits.dtype and t.is_contiguous()
+            grad = t if reuse else torch.empty(rows, vd, dtype=logits.dtype, device=logits.device)
+        sums = torch.zeros(3, dtype=z.dtype, device=z.device)
+        alpha = torch.empty(rows, dtype=z.dtype, device=z.device)
+        out_of_vocab = torch.zeros((), dtype=torch.long, device=z.device)
+        tile = rows if z.device.type == "cuda" else max(1, TILE_ELEMENTS // max(v, 1))
+        for start in range(0, rows, tile):
+            r = slice(start, start + tile)
+            zt, tt, w = z[r], t[r], weight[r]
+            lse_q = torch.logsumexp(zt, -1, keepdim=True)
+            lse_p = torch.logsumexp(tt, -1, keepdim=True)
+            idx, in_vocab = draft_index(tt.argmax(-1) if ce_argmax else labels[r], draft_ids, vd)
+            nll = lse_q[:, 0] - zt.gather(-1, idx[:, None])[:, 0]
+            diff = None
+            if w_kl:  # log p − log q = (t − z) + (lse_q − lse_p), read before t is overwritten
+                t_draft = tt if draft_ids is None else tt.index_select(-1, draft_ids)
+                diff = t_draft - zt
+            q = torch.sub(zt, lse_q).exp_()
+            p = tt.sub_(lse_p).exp_()
+            if draft_ids is not None:
+                p = p.index_select(-1, draft_ids)
+            a = torch.minimum(q, p).sum(-1)
+            alpha[r] = a
+            scored = w > 0
+            ce_w = w * in_vocab
+            sums[0] += (ce_w * nll).sum()
+            sums[1] += (w * (1.0 - a)).sum()
+            out_of_vocab += (scored & ~in_vocab).sum()
+            mass = p.sum(-1) if w_kl else None
+            if diff is not None:
+                kl = torch.linalg.vecdot(p, diff) + mass * (lse_q[:, 0] - lse_p[:, 0]) - torch.xlogy(mass, mass)
+                sums[2] += (w * kl).sum()
+            if grad is None:
+                continue
+            lower = q < p
+            big_s = torch.where(lower, q, 0.0).sum(-1)
+            A, T, K = w_ce * ce_w, w_tv * w, w_kl * w
+            coef = A + T * big_s + (K * mass if w_kl else 0.0)
+            g = q.mul_(coef[:, None] - T[:, None] * lower)
+            if w_kl:
+                g.addcmul_(p, K[:, None], value=-1.0)
+            g.scatter_add_(-1, idx[:, None], -A[:, None])
+            grad[r] = g
+        objective = w_ce * sums[0] + w_tv * sums[1] + w_kl * sums[2]
+        if grad is not None:
+            ctx.save_for_backward(grad.view(logits.shape))
+        ctx.mark_non_differentiable(sums, alpha, out_of_vocab)
+        return objective, sums, alpha.view(logits.shape[:-1]), out_of_vocab
+
+    @staticmethod
+    def backward(ctx, grad_objective, *_):
+        if getattr(ctx, "used", False):
+            raise RuntimeError("dspark_loss: backward runs once per graph (its kept gradient is scaled in place)")
+        ctx.used = True
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None
+
+
+__all__ = ["TILE_ELEMENTS", "VocabTerms", "draft_index", "wide"]
