@@ -2,7 +2,10 @@
 
 - DDP: 2 ranks and 1 rank with the same global batch end with the same weights, including
   steps where one rank has no data or only samples with no trainable position.
-- Exact resume: a run SIGKILLed mid-epoch and resumed matches an uninterrupted one.
+- Kill loop: a run SIGKILLed at awkward moments (during a checkpoint write, steps after
+  one, the launcher alone) and rerun exports the same drafter bit for bit as an
+  uninterrupted one, logs every step once and leaves no rank behind.
+- Long samples are trained as windows that keep every scored token.
 - Learning: a few hundred CPU steps raise held-out τ clearly above the untrained draft's.
 - Bad input fails before any compute, with errors naming what is wrong.
 """
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,21 +39,29 @@ from train_stores import (
     write_token_freqs,
 )
 
+from dspark.config import load_section
+from dspark.errors import UserError
 from dspark.export import load_drafter
 from dspark.store import ShardStore
 from dspark.targets import tokenizer_sha256
 from dspark.vocab import build_mapping, save_mapping
 from train.__main__ import run
-from train.build import check_devices, config_section
+from train.build import check_devices
 from train.checkpoint import trainable_state
 from train.config import TrainConfig
+from train.data import StoreSplit, windows_of
 from train.sampler import StepPlanner, share_of_rank
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 RUN_TIMEOUT_S = 300
-# 61 samples of 64 tokens, 2 per step (1 per micro-batch): 31 steps per epoch, the last one
-# with a single micro-batch; a third of the samples have no trainable token.
+# 61 samples of 64 tokens and 3 of 190 (each cut into 3 windows of 64 overlapping by one
+# token), 2 windows per step (1 per micro-batch); a third of the short samples have no
+# trainable token, and one long sample trains only its last 70 tokens (its first window has
+# nothing to score and is left out): 69 windows, 35 steps per epoch, the last one with a
+# single micro-batch.
+LONG = 190
+STEPS = 70
 DDP_TRAIN = {
     "train.tokens_per_step": 128,
     "train.tokens_per_micro_batch": 64,
@@ -65,6 +78,9 @@ def world(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("train")
     verifier = make_bigram_verifier(root / "verifier")
     train = make_samples(verifier, 61, seed=0, min_len=64, max_len=64, empty_masks=20)
+    long = make_samples(verifier, 3, seed=2, min_len=LONG, max_len=LONG)
+    long[0][1][: LONG - 70] = 0
+    train += long
     held_out = make_samples(verifier, 16, seed=1)
     write_store(root / "store" / "train", verifier, train)
     write_store(root / "store" / "eval", verifier, held_out, first_id=1000)
@@ -149,12 +165,20 @@ def two_rank_run(world) -> Path:
     return run_dir
 
 
+def ddp_split(world) -> StoreSplit:
+    return StoreSplit.open(ShardStore.open(world.train_store), str(world.train_store),
+                           DDP_TRAIN["train.tokens_per_micro_batch"])
+
+
 def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
     # The plan really holds the awkward steps: a rank with no micro-batch at all, and a rank
     # whose only sample has no trainable position (zero valid anchors) while the other trains.
-    lengths = np.array([len(ids) for ids, _ in world.train_samples])
-    untrained = {i for i, (_, mask) in enumerate(world.train_samples) if not mask.any()}
-    planner = StepPlanner(lengths, DDP_TRAIN["train.tokens_per_step"], DDP_TRAIN["train.tokens_per_micro_batch"], 0)
+    split = ddp_split(world)
+    assert split.counts == {"samples": 64, "long_samples": 3, "windows": 8, "windows_left_out": 1}
+    untrained = {i for i, ref in enumerate(split.refs) if not world.train_samples[ref.sample_id][1].any()}
+    planner = StepPlanner(split.lengths, DDP_TRAIN["train.tokens_per_step"], DDP_TRAIN["train.tokens_per_micro_batch"],
+                          0)
+    assert sum(len(planner.epoch(e)) for e in range(2)) == STEPS
     shares = [[share_of_rank(planner, step, r, 2) for r in range(2)] for e in range(2) for step in planner.epoch(e)]
     assert any(not share[1] for share in shares)
     assert any(
@@ -170,33 +194,87 @@ def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
     losses_1, losses_2 = rows(one_rank, "train"), rows(two_rank_run, "train")
-    assert sorted(losses_1) == sorted(losses_2) == list(range(1, 63))
+    assert sorted(losses_1) == sorted(losses_2) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([losses_1[s]["loss"] for s in losses_1], [losses_2[s]["loss"] for s in losses_1],
                                rtol=1e-4)
     # Weights moved: the comparison is not between two untouched initializations.
-    assert losses_2[62]["loss"] < losses_2[1]["loss"]
+    assert losses_2[STEPS]["loss"] < losses_2[1]["loss"]
 
 
-def test_sigkill_mid_epoch_then_resume_is_exact(world, two_rank_run):
-    run_dir = world.root / "runs" / "killed"
-    args = overrides(world, run_dir, **DDP_TRAIN)
-    proc = torchrun(2, args)
-    latest = run_dir / "checkpoints" / "latest"
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line)["step"])
+        except json.JSONDecodeError:  # a row being written
+            pass
+    return found
+
+
+def newest_checkpoint_step(run_dir: Path) -> int:
+    found = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")]
+    return max(found, default=0)
+
+
+def writing_checkpoint(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any(name.endswith(".partial") for name in os.listdir(root))
+
+
+def kill_when(proc: subprocess.Popen, ready, *, whole_tree: bool, delay_s: float = 0.0) -> list[psutil.Process]:
+    """SIGKILL the run (its whole tree, or the launcher alone) `delay_s` after `ready()`; returns
+    the processes below the launcher at that moment (the ranks and their data workers)."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    kill_tree(proc)
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(delay_s)
+    assert proc.poll() is None, "the run ended before the moment to kill it"
+    below = psutil.Process(proc.pid).children(recursive=True)
+    if whole_tree:
+        kill_tree(proc)
+    else:
+        proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    resume_from = latest.resolve()
-    state = json.loads((resume_from / "trainer_state.json").read_text())
-    assert 0 < state["step"] < 62 and state["step_in_epoch"] > 0, state  # killed mid-epoch, not done
-    assert not (run_dir / "drafter").exists()
+    return below
 
+
+def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_rank_run):
+    # save_every 20: besides the evaluations that improve (every 10 steps), checkpoints are
+    # sparse, so a kill can land many steps after one.
+    run_dir = world.root / "runs" / "kill-loop"
+    args = overrides(world, run_dir, **{**DDP_TRAIN, "train.save_every": 20})
+    rng = random.Random(0)
+    moment, delay_s = rng.randint(25, STEPS - 5), rng.uniform(0, 0.3)
+
+    def many_steps_after_a_checkpoint() -> bool:
+        newest = newest_checkpoint_step(run_dir)
+        return newest > 0 and max(logged_steps(run_dir), default=0) >= newest + 7
+
+    trials = [  # what, when, the whole tree (else the launcher alone), delay
+        ("during the first checkpoint write", lambda: writing_checkpoint(run_dir), True, 0.0),
+        ("7 steps after a checkpoint", many_steps_after_a_checkpoint, False, 0.0),
+        (f"during step {moment + 1}", lambda: max(logged_steps(run_dir), default=0) >= moment, True, delay_s),
+    ]
+    for what, ready, whole_tree, delay in trials:
+        below = kill_when(torchrun(2, args), ready, whole_tree=whole_tree, delay_s=delay)
+        assert below, what
+        if what.startswith("during the first checkpoint"):
+            assert writing_checkpoint(run_dir) and newest_checkpoint_step(run_dir) == 0
+        if not whole_tree:  # the launcher alone: every rank dies with it (no orphan waits forever)
+            _, alive = psutil.wait_procs(below, timeout=10)
+            assert not alive, (what, alive)
+        assert not (run_dir / "drafter").exists(), what
     out = train_to_end(2, args)
-    assert f"resuming from {resume_from} at step {state['step']}" in out
-    ref, resumed = final_weights(two_rank_run), final_weights(run_dir)
+    assert "resuming from" in out
+
+    ref, got = load_file(two_rank_run / "drafter" / "model.safetensors"), load_file(run_dir / "drafter" / "model.safetensors")
+    assert ref.keys() == got.keys()
     for name in ref:
-        assert torch.equal(ref[name], resumed[name]), name
+        assert torch.equal(ref[name], got[name]), name
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["step"], r["split"]) for r in lines]
+    assert len(keys) == len(set(keys)), "a step was logged twice"
     for split in ("train", "eval"):
         a, b = rows(two_rank_run, split), rows(run_dir, split)
         assert sorted(a) == sorted(b)
@@ -210,22 +288,24 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
     ckpts = two_rank_run / "checkpoints"
     steps = sorted(int(p.name.split("_")[1]) for p in ckpts.glob("step_*"))
     best = ckpts / "best"
-    assert best.exists() and (ckpts / "latest").resolve().name == "step_62"
+    assert best.exists() and (ckpts / "latest").resolve().name == f"step_{STEPS}"
     # keep_last=2 plus the best one
-    assert set(steps) == {60, 62} | {int(best.resolve().name.split("_")[1])}
+    assert set(steps) == {(STEPS - 1) // 5 * 5, STEPS} | {int(best.resolve().name.split("_")[1])}
     latest = ckpts / "latest"
     for name in ("config.yaml", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "vocab_map_128.safetensors"):
         assert (latest / name).is_file(), name
     assert "draft_vocab_size: 128" in (latest / "config.yaml").read_text()
     evals = rows(two_rank_run, "eval")
-    assert sorted(evals) == [10, 20, 30, 40, 50, 60, 62]
-    assert {"tau", "alpha_0", "alpha_3", "accept_3"} <= evals[62].keys()
+    assert sorted(evals) == sorted({*range(10, STEPS + 1, 10), STEPS})
+    assert {"tau", "alpha_0", "alpha_3", "accept_3"} <= evals[STEPS].keys()
     assert max(evals[s]["tau"] for s in evals) == evals[int(best.resolve().name.split("_")[1])]["tau"]
     assert list((two_rank_run / "tensorboard").glob("events.out.tfevents.*"))
-    assert 0 <= rows(two_rank_run, "train")[62]["data_wait"] <= 1
+    assert 0 <= rows(two_rank_run, "train")[STEPS]["data_wait"] <= 1
+    data = rows(two_rank_run, "data")[0]
+    assert (data["train_long_samples"], data["train_windows"], data["train_windows_left_out"]) == (3, 8, 1)
 
     meta = json.loads((two_rank_run / "drafter" / "dspark_meta.json").read_text())
-    assert (meta["step"], meta["world_size"], meta["eval"]["tau"]) == (62, 2, evals[62]["tau"])
+    assert (meta["step"], meta["world_size"], meta["eval"]["tau"]) == (STEPS, 2, evals[STEPS]["tau"])
     assert meta["hardware"].startswith("2 x CPU") and meta["train_time_s"] > 0
     drafter = load_drafter(two_rank_run / "drafter")
     exported = trainable_state(drafter)
@@ -324,12 +404,12 @@ def test_torchrun_with_too_many_gpus_fails_before_training(world, tmp_path):
 
 
 def test_default_and_seed_recipe_configs_resolve():
-    default = config_section(TrainConfig, compose_cfg([]), "train")
+    default = load_section(TrainConfig, compose_cfg([]), "train")
     assert default.run_dir == "runs/smollm2-135m/train/default"
     assert default.token_freqs == "runs/smollm2-135m/data/token_freqs.npy"
     assert default.train_store == "runs/smollm2-135m/store/train"
     seed = compose_cfg(["+experiment=qwen3-0.6b"])
-    assert config_section(TrainConfig, seed, "train").run_dir == "runs/qwen3-0.6b/train/qwen3-0.6b"
+    assert load_section(TrainConfig, seed, "train").run_dir == "runs/qwen3-0.6b/train/qwen3-0.6b"
     assert (seed.model.num_layers, seed.model.block_size, seed.model.draft_vocab_size) == (5, 4, 32000)
     assert (seed.model.markov_rank, seed.model.markov_type, seed.model.confidence_head) == (256, "vanilla", True)
     assert list(seed.target.aux_layer_ids) == [2, 14, 25] and dict(seed.loss.weights) == {"ce": 0.1, "tv": 0.9}
@@ -356,3 +436,158 @@ def test_step_plan_covers_each_sample_once_per_epoch_within_budgets():
                 assert sorted(map(tuple, sum(shares, []))) == sorted(map(tuple, step))
     assert epochs[0] != epochs[1]
     assert epochs[0] == StepPlanner(lengths, 700, 200, seed=3).epoch(0)
+
+
+# ----- long samples -----
+
+
+def test_windows_cover_every_anchor_once():
+    rng = np.random.default_rng(0)
+    for n, width in [(150, 64), (64, 64), (65, 64), (1000, 7), (10, 2)]:
+        for _ in range(20):
+            mask = rng.random(n) < rng.uniform(0.2, 1.0)
+            mask[: rng.integers(0, n)] = False  # often a long untrained prefix
+            windows = windows_of(mask.astype(np.uint8), width)
+            owners: dict[int, int] = {}
+            for start, end in windows:
+                assert 0 <= start < end <= n and end - start <= width
+                for p in range(start, end - 1):  # anchors p with their first target p+1 in the window
+                    if mask[p] and mask[p + 1]:
+                        assert p not in owners, (n, width, p)
+                        owners[p] = start
+            candidates = {p for p in range(n - 1) if mask[p] and mask[p + 1]}
+            assert set(owners) == candidates, (n, width)
+            if n > width:  # a cut sample keeps only windows with something to score
+                assert all(any(owners[p] == s for p in owners) for s, _ in windows)
+
+
+# ----- where a run starts -----
+
+
+def short_run(world, run_dir: Path, **extra) -> dict[str, float]:
+    """One in-process rank, 2 steps of 2 samples, a checkpoint every step, no eval, no export."""
+    return run(compose_cfg(overrides(world, run_dir, **{
+        "train.tokens_per_step": 300, "train.tokens_per_micro_batch": 300, "train.data_workers": 0,
+        "train.eval_store": "null", "train.export": "false", "train.save_every": 1, "train.max_steps": 2,
+        "train.keep_last": 10, **extra,
+    })))
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"]
+
+
+def test_resume_finds_the_newest_complete_checkpoint_itself(world, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    short_run(world, run_dir)
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "latest").unlink()  # missing link
+    short_run(world, run_dir, **{"train.max_steps": 3})
+    assert f"resuming from {ckpts / 'step_2'} at step 2" in capsys.readouterr().out
+    (ckpts / "latest").unlink()
+    (ckpts / "latest").symlink_to("step_99")  # dangling link
+    (ckpts / "step_7").mkdir()  # and a newer step that is not complete
+    (ckpts / "step_7" / "trainer_state.json").write_text("{}")
+    short_run(world, run_dir, **{"train.max_steps": 4})
+    assert f"resuming from {ckpts / 'step_3'} at step 3" in capsys.readouterr().out
+    assert steps_logged(run_dir) == [1, 2, 3, 4]
+
+
+def test_fresh_start_over_an_earlier_run_is_refused_unless_asked(world, tmp_path):
+    run_dir = tmp_path / "run"
+    short_run(world, run_dir)
+    shutil.rmtree(run_dir / "checkpoints")
+    before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match=f"{run_dir} holds an earlier run .*train.resume=restart"):
+        short_run(world, run_dir)
+    assert (run_dir / "metrics.jsonl").read_text() == before and not (run_dir / "checkpoints").exists()
+    short_run(world, run_dir, **{"train.resume": "restart", "train.max_steps": 1})
+    assert steps_logged(run_dir) == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
+
+
+def test_resume_refuses_a_changed_objective_or_schedule(world, tmp_path):
+    run_dir = tmp_path / "run"
+    short_run(world, run_dir)
+    changes = {"train.lr": 2e-2, "loss.gamma": 2.0, "train.epochs": 7, "train.warmup_ratio": 0.5}
+    for key, value in changes.items():
+        with pytest.raises(UserError, match=rf"\['{key}'\].*train.allow_resume_changes=true"):
+            short_run(world, run_dir, **{key: value, "train.max_steps": 3})
+    with pytest.raises(UserError, match=r"\['loss.gamma', 'train.lr'\]"):
+        short_run(world, run_dir, **{"train.lr": 2e-2, "loss.gamma": 2.0, "train.max_steps": 3})
+    assert steps_logged(run_dir) == [1, 2]
+    short_run(world, run_dir, **{"train.lr": 2e-2, "train.max_steps": 3, "train.allow_resume_changes": "true"})
+    assert steps_logged(run_dir) == [1, 2, 3]
+
+
+def test_eval_store_must_be_held_out(world, tmp_path):
+    split_train = tmp_path / "split-train"
+    ShardStore.create_or_open(split_train, store_target(world.verifier), tokenizer_sha256(world.verifier),
+                              extra_attrs={"split": "train"})
+    expect_refusal(world, tmp_path, UserError, "holds the 'train' split, not 'eval'",
+                   **{"train.eval_store": str(split_train)})
+    expect_refusal(world, tmp_path, UserError, "train.eval_store is train.train_store",
+                   **{"train.eval_store": str(world.train_store)})
+
+
+class Payload:
+    """Unpickling this runs code: it creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_foreign_pickles_in_a_checkpoint_never_run(world, tmp_path):
+    source = tmp_path / "source"
+    short_run(world, source, **{"train.max_steps": 1})
+    ckpt = source / "checkpoints" / "step_1"
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": Payload(marker), "scheduler": {}}, ckpt / "optimizer.pt")
+    # Warm start: weights only, from safetensors.
+    short_run(world, tmp_path / "warm", **{"train.init_from": str(ckpt), "train.max_steps": 1})
+    assert not marker.exists()
+    # Resume: the optimizer state is refused, not unpickled.
+    with pytest.raises(UserError, match="refusing to unpickle"):
+        short_run(world, source)
+    assert not marker.exists()
+
+
+def test_checkpoints_are_fsynced_before_they_are_renamed_into_place(world, tmp_path, monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kwargs):
+        events.append(("replace", f"{os.path.realpath(src)} -> {os.path.realpath(dst)}"))
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    run_dir = tmp_path / "run"
+    short_run(world, run_dir, **{"train.max_steps": 1})
+    root = os.path.realpath(run_dir / "checkpoints")
+    partial = f"{root}/.step_1.partial"
+    rename = events.index(("replace", f"{partial} -> {root}/step_1"))
+    synced_before = {path for kind, path in events[:rename] if kind == "fsync"}
+    written = {partial, *(f"{partial}/{p.name}" for p in (run_dir / "checkpoints" / "step_1").iterdir())}
+    assert written <= synced_before, written - synced_before
+    assert ("fsync", root) in events[rename:]  # the rename itself is made durable
+
+
+def test_rerun_of_a_finished_run_logs_and_changes_nothing(world, tmp_path):
+    run_dir = tmp_path / "run"
+    settings = {"train.eval_store": str(world.eval_store), "train.export": "true", "train.eval_max_samples": 4}
+    short_run(world, run_dir, **settings)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    weights = load_file(run_dir / "drafter" / "model.safetensors")
+    short_run(world, run_dir, **settings)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    again = load_file(run_dir / "drafter" / "model.safetensors")
+    assert all(torch.equal(weights[k], again[k]) for k in weights)

@@ -2,16 +2,20 @@
 
 Every process runs this; accelerate picks up torchrun's environment (NCCL on GPUs, gloo
 on CPU) and DDP-wraps the draft. Without CUDA the same command runs N CPU processes.
+Under torchrun every rank dies with its launcher (parent-death signal), and a rank whose
+peer died or hung fails after `train.collective_timeout_s` instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 from omegaconf import DictConfig
 
 from dspark.entry import stage_main
+from dspark.lifetime import die_with_parent
 from train.build import build_trainer, check_devices, config_section, make_accelerator
 from train.config import TrainConfig
 
@@ -20,9 +24,20 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train as configured; returns the final held-out metrics."""
     train_cfg = config_section(TrainConfig, cfg, "train")
     check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: a killed launcher takes it along
+        die_with_parent(signal.SIGKILL)
     accelerator = make_accelerator(train_cfg)
     try:
         return build_trainer(cfg, accelerator).fit()
+    except RuntimeError as err:
+        # NCCL raises DistError subclasses; gloo a RuntimeError naming its source file.
+        if not isinstance(err, torch.distributed.DistError) and "gloo" not in str(err):
+            raise
+        raise RuntimeError(
+            f"rank {accelerator.process_index}: a collective with the other ranks failed or waited longer than "
+            f"train.collective_timeout_s={train_cfg.collective_timeout_s:g}s (a peer rank died, hung or was "
+            f"stopped; see its output above): {err}"
+        ) from err
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

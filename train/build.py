@@ -5,16 +5,18 @@ point or warm start, and finally the model and its trainer.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, InitProcessGroupKwargs
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoTokenizer
 
 from dspark.config import DraftConfig, LossConfig, TargetConfig, to_dataclass
+from dspark.errors import UserError
 from dspark.export import load_drafter
 from dspark.init import init_from_verifier
 from dspark.model import DSparkDraft
@@ -23,20 +25,18 @@ from dspark.targets import EMBEDDED_PREFIX, resolve_target_dir, tokenizer_sha256
 from dspark.verifier import VerifierHead, resolve_aux_layer_ids, resolve_mask_token_id
 from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
 from train.checkpoint import (
-    CONFIG_FILE,
-    checkpoints_root,
-    latest_checkpoint,
     load_trainable_state,
-    read_checkpoint,
+    read_weights,
     resolve_checkpoint,
     trainable_state,
 )
 from train.config import TrainConfig
 from train.data import StoreSplit
 from train.dspark_trainer import DSparkTrainer
+from train.resume import clear_run, resume_point
 
 T = TypeVar("T")
-RESUME_MODES = ("auto", "never", "must")
+RESUME_MODES = ("auto", "never", "must", "restart")
 MIXED_PRECISION = ("auto", "bf16", "no")
 
 
@@ -76,7 +76,9 @@ def check_devices(processes_per_node: int, cuda_devices: int) -> None:
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     cuda = torch.cuda.is_available()
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
-    return Accelerator(cpu=not cuda, mixed_precision=precision)
+    # A bounded wait on the other ranks: a dead or hung peer fails the collective instead of hanging it.
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))
+    return Accelerator(cpu=not cuda, mixed_precision=precision, kwargs_handlers=[timeout])
 
 
 def expected_store_target(target: TargetConfig, hf_config, aux_layer_ids: list[int]) -> dict:
@@ -103,6 +105,12 @@ def open_store(url: str, field: str, expected: dict, tokenizer_hash: str) -> Sha
         raise ValueError(f"train.{field}={url} was extracted for another target or layers: {detail}")
     if store.attrs.get("tokenizer_sha256") != tokenizer_hash:
         raise ValueError(f"train.{field}={url}: tokenizer_sha256 differs from the target's tokenizer")
+    role = {"train_store": "train", "eval_store": "eval"}[field]
+    if store.attrs.get("split", role) != role:
+        raise UserError(
+            f"train.{field}={url} holds the {store.attrs['split']!r} split, not {role!r}: training on held-out "
+            "data, or picking the best checkpoint on training data, gives misleading figures"
+        )
     return store
 
 
@@ -151,34 +159,6 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
     return save_mapping(own, d2t, t2d, {"token_freqs": str(freqs_path), "draft_vocab_size": size})
 
 
-def resume_point(cfg: TrainConfig, run_dir: Path, full_cfg: DictConfig) -> Path | None:
-    """The checkpoint to continue from (per `train.resume`), checked against this config."""
-    latest = latest_checkpoint(run_dir)
-    if cfg.resume == "never" and latest is not None:
-        raise FileExistsError(
-            f"train.resume=never but {checkpoints_root(run_dir)} has checkpoints; pick another train.run_name"
-        )
-    if cfg.resume == "must" and latest is None:
-        raise FileNotFoundError(f"train.resume=must but {checkpoints_root(run_dir)} has no checkpoint")
-    if latest is None:
-        return None
-    if cfg.init_from is not None:
-        raise ValueError(
-            f"train.init_from is set but {run_dir} already has checkpoints to resume; use a new train.run_name"
-        )
-    saved = OmegaConf.load(latest / CONFIG_FILE)
-    for section in ("target", "model"):
-        ours = OmegaConf.to_container(full_cfg[section], resolve=True)
-        theirs = OmegaConf.to_container(saved[section], resolve=True)
-        changed = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-        if changed:
-            raise ValueError(
-                f"cannot resume {latest}: {section}.{changed} differ from its {CONFIG_FILE}; "
-                "restore them or start a new train.run_name (optionally with train.init_from)"
-            )
-    return latest
-
-
 def warm_start(model: DSparkDraft, path: str) -> None:
     """Load weights from an exported drafter or a checkpoint; its vocab mapping must be ours."""
     source = Path(path)
@@ -200,7 +180,7 @@ def warm_start(model: DSparkDraft, path: str) -> None:
                 f"train.init_from={path}: checkpoint has no vocab mapping but this run uses a reduced vocabulary"
             )
         check_same_mapping((model.d2t, model.t2d), load_mapping(files[0]), names=("this run", str(files[0])))
-    load_trainable_state(model, read_checkpoint(ckpt, rank=0)["weights"], ckpt)
+    load_trainable_state(model, read_weights(ckpt), ckpt)  # weights only: nothing is unpickled
 
 
 def served_verifier_name(name_or_path: str, target_dir: Path) -> str:
@@ -223,7 +203,14 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     loss_cfg = config_section(LossConfig, full_cfg, "loss")
     check_train_config(cfg)
     run_dir = Path(cfg.run_dir)
+    if cfg.eval_store is not None and cfg.eval_store == cfg.train_store:
+        raise UserError(f"train.eval_store is train.train_store ({cfg.train_store}): evaluate on a held-out store")
     resume_from = resume_point(cfg, run_dir, full_cfg)
+    if cfg.resume == "restart":
+        accelerator.wait_for_everyone()  # every rank has looked before rank 0 deletes
+        if accelerator.is_main_process:
+            clear_run(run_dir)
+        accelerator.wait_for_everyone()
 
     target_dir = resolve_target_dir(target.name_or_path, target.revision)
     hf_config = AutoConfig.from_pretrained(target_dir)

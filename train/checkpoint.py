@@ -4,14 +4,20 @@ A checkpoint holds everything an exact resume needs: the trainable weights
 (model.safetensors; the frozen verifier tensors are reloaded from the verifier), the
 optimizer and scheduler states, every rank's RNG states, the loop position
 (trainer_state.json), the resolved config (config.yaml) and the vocab mapping. It is
-written to a hidden partial directory and renamed into place, so a crash never leaves a
-half-written `step_N` or a `latest` pointing at one.
+written to a hidden partial directory, fsynced (files and directory) and renamed into
+place, so neither a crash nor a power cut leaves a half-written `step_N`.
+
+The newest complete `step_N/` is the truth; the `latest` link is a convenience for people
+(it dangles for a moment during every save). Nothing here unpickles: weights are
+safetensors and the optimizer, scheduler and RNG states hold only tensors and plain Python
+values, read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -22,6 +28,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from dspark.errors import UserError
+from dspark.store.files import LocalFiles
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -34,19 +43,39 @@ def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR
 
 
+def step_dirs(run_dir: Path) -> dict[int, Path]:
+    """Every `checkpoints/step_N` directory of a run (complete or not), by step."""
+    root = checkpoints_root(run_dir)
+    found = {}
+    for path in root.glob("step_*") if root.is_dir() else []:
+        step = path.name.removeprefix("step_")
+        if step.isdigit() and path.is_dir():
+            found[int(step)] = path
+    return found
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` holds every file a resume reads."""
+    return all((path / name).is_file() for name in (STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, CONFIG_FILE,
+                                                    rng_file(0)))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    link = checkpoints_root(run_dir) / "latest"
-    return link.resolve() if link.exists() else None
+    """The newest complete `step_N` of a run (found by itself, whatever `latest` says), or None."""
+    dirs = step_dirs(run_dir)
+    complete = [step for step, path in dirs.items() if is_complete(path)]
+    return dirs[max(complete)].resolve() if complete else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint dir, or a run dir / checkpoints dir whose `latest` is meant."""
+    """A checkpoint dir, or a run dir / checkpoints dir whose newest complete checkpoint is meant."""
     path = Path(path)
-    for candidate in (path, path / "latest", checkpoints_root(path) / "latest"):
-        if (candidate / STATE_FILE).is_file():
-            return candidate.resolve()
-    raise FileNotFoundError(f"{path}: no checkpoint here ({STATE_FILE} not found, nor a `latest` link)")
+    if (path / STATE_FILE).is_file():
+        return path.resolve()
+    found = latest_checkpoint(path.parent if path.name == CHECKPOINTS_DIR else path)
+    if found is not None:
+        return found
+    raise UserError(f"{path}: no checkpoint here ({STATE_FILE} not found, nor a complete checkpoints/step_N)")
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,7 +103,11 @@ def load_trainable_state(model: nn.Module, weights: dict[str, torch.Tensor], sou
 
 
 def capture_rng() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG state of this process as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -82,7 +115,9 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np_state = state["numpy"]
+    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -131,6 +166,8 @@ class CheckpointWriter:
                 shutil.copyfile(src, partial / name)
         self.barrier()
         if self.rank == 0:
+            files = LocalFiles(self.root)
+            files.sync_tree(partial.name)  # contents durable before the rename publishes them
             # Re-saving a step (e.g. to mark it best): move the old copy aside, not delete it
             # first, so `latest` dangles for two renames at most, never for a whole delete.
             old = self.root / f".step_{step}.old"
@@ -142,6 +179,7 @@ class CheckpointWriter:
             self.link("latest", final)
             if best:
                 self.link("best", final)
+            files.sync_tree(final.name)  # and the renames (the checkpoints directory itself)
             self.prune()
         self.barrier()
         return final
@@ -162,17 +200,34 @@ class CheckpointWriter:
                 shutil.rmtree(old)
 
 
+def load_plain(path: Path) -> Any:
+    """A `torch.save`d file of tensors and plain values; anything else (a pickled object) is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"{path}: holds pickled objects, not only tensors and plain values; refusing to unpickle it "
+            "(it was not written by this trainer, or by an older version). Warm-start a new run from its "
+            "weights with train.init_from instead"
+        ) from err
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trainable weights (safetensors: data only, never code)."""
+    return load_file(path / WEIGHTS_FILE)
+
+
 def read_checkpoint(path: Path, rank: int) -> dict[str, Any]:
     """Everything in a checkpoint that a resume restores (tensors on CPU)."""
-    opt = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    opt = load_plain(path / OPTIMIZER_FILE)
     rng_path = path / rng_file(rank)
     return {
-        "weights": load_file(path / WEIGHTS_FILE),
+        "weights": read_weights(path),
         "optimizer": opt["optimizer"],
         "scheduler": opt["scheduler"],
         "state": json.loads((path / STATE_FILE).read_text()),
         # A resume on more ranks than were saved: the new ranks start from rank 0's RNG state.
-        "rng": torch.load(rng_path if rng_path.exists() else path / rng_file(0), weights_only=False),
+        "rng": load_plain(rng_path if rng_path.exists() else path / rng_file(0)),
     }
 
 
@@ -183,10 +238,14 @@ __all__ = [
     "WEIGHTS_FILE",
     "capture_rng",
     "checkpoints_root",
+    "is_complete",
     "latest_checkpoint",
+    "load_plain",
     "load_trainable_state",
     "read_checkpoint",
+    "read_weights",
     "resolve_checkpoint",
     "restore_rng",
+    "step_dirs",
     "trainable_state",
 ]

@@ -28,7 +28,13 @@ class TrainConfig:
     init_fc_from_last_aux: bool
     """Start `fc` as a selection of the last aux layer ([0 … 0 | I]) instead of random."""
     resume: str
-    """`auto`: continue from run_dir/checkpoints/latest if present; `never`: refuse a run with checkpoints; `must`."""
+    """`auto`: continue from the newest complete checkpoint, else start fresh in an empty run_dir;
+    `never`: refuse a run_dir with checkpoints; `must`: refuse one without; `restart`: delete
+    the run_dir's checkpoints, metrics and drafter and start from step 0."""
+    allow_resume_changes: bool
+    """Resume even though `loss.*` or schedule keys (lr, warmup, epochs, ...) differ from the checkpoint's."""
+    collective_timeout_s: float
+    """A rank waiting longer than this on its peers (one died or hung) fails instead of waiting forever."""
     seed: int
     """Seed of weight init, sample order and anchor sampling."""
     epochs: int

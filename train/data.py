@@ -1,5 +1,5 @@
-"""Reading the shard store for training: sample-level random access, padded micro-batches,
-background prefetch.
+"""Reading the shard store for training: samples (cut into windows when longer than a
+micro-batch), padded micro-batches, background prefetch.
 
 A sample's `hidden [T, L, H]` holds the aux layers (ascending) and, last, the final pre-norm
 layer; the draft reads the aux layers as its context and the final layer gives the targets.
@@ -23,49 +23,98 @@ Batch = dict[str, torch.Tensor]
 """One padded micro-batch (see `collate`), extended by the algorithm's `prepare`."""
 
 
+def windows_of(loss_mask: np.ndarray, width: int) -> list[tuple[int, int]]:
+    """`(start, end)` windows of at most `width` tokens covering a sample of `len(loss_mask)` tokens.
+
+    A sample that fits is one window. A longer one is cut into windows that overlap by one
+    token (stride `width - 1`): every anchor candidate p (p and p+1 both trained) then lies
+    with its first target p+1 in exactly one window, so no scored token is lost and none is
+    scored twice; a window only loses the draft-side context (and the later slots of blocks
+    that run past its end). Windows of a cut sample with nothing to score are left out.
+    """
+    n = len(loss_mask)
+    if n <= width:
+        return [(0, n)]
+    trained = loss_mask.astype(bool)
+    candidate = trained[:-1] & trained[1:]  # anchor candidates p (see dspark.anchors)
+    out = []
+    for start in range(0, n - 1, width - 1):
+        end = min(start + width, n)
+        if candidate[start : end - 1].any():
+            out.append((start, end))
+    return out
+
+
 @dataclass
 class StoreSplit:
-    """The committed samples of one store, with their lengths capped at the micro-batch budget."""
+    """The windows (see `windows_of`) of the committed samples of one store.
+
+    `refs[i]` is window i as a store reference (a row range of its sample), `offsets[i]` its
+    first token's position in the sample, `lengths[i]` its tokens (at most `max_tokens`).
+    `counts`: samples, long samples that were cut, windows, and windows left out.
+    """
 
     url: str
     refs: list[SampleRef]
+    offsets: np.ndarray
     lengths: np.ndarray
     max_tokens: int
+    counts: dict[str, int]
 
     @classmethod
     def open(cls, store: ShardStore, url: str, max_tokens: int, max_samples: int | None = None) -> StoreSplit:
-        refs = sorted(store.index(), key=lambda r: r.sample_id)
+        """Index the store; the loss masks of samples longer than `max_tokens` are read to place their windows."""
+        samples = sorted(store.index(), key=lambda r: r.sample_id)
         if max_samples is not None:
-            refs = refs[:max_samples]
-        lengths = np.minimum(np.array([r.end - r.start for r in refs], dtype=np.int64), max_tokens)
-        return cls(url=url, refs=refs, lengths=lengths, max_tokens=max_tokens)
+            samples = samples[:max_samples]
+        refs, offsets = [], []
+        counts = {"samples": len(samples), "long_samples": 0, "windows": 0, "windows_left_out": 0}
+        for ref in samples:
+            if ref.n_tokens <= max_tokens:
+                refs.append(ref)
+                offsets.append(0)
+                continue
+            found = windows_of(store.read(ref).loss_mask, max_tokens)
+            counts["long_samples"] += 1
+            counts["windows"] += len(found)
+            counts["windows_left_out"] += len(range(0, ref.n_tokens - 1, max_tokens - 1)) - len(found)
+            for start, end in found:
+                refs.append(SampleRef(ref.shard, ref.start + start, ref.start + end, ref.sample_id))
+                offsets.append(start)
+        lengths = np.array([r.n_tokens for r in refs], dtype=np.int64)
+        return cls(url=url, refs=refs, offsets=np.array(offsets, dtype=np.int64), lengths=lengths,
+                   max_tokens=max_tokens, counts=counts)
 
     def fingerprint(self) -> str:
-        """Identity of the sample list (ids and lengths): a resumed run must see the same one."""
+        """Identity of the window list (ids, offsets and lengths): a resumed run must see the same one."""
         digest = hashlib.sha256()
-        for ref, n in zip(self.refs, self.lengths.tolist(), strict=True):
-            digest.update(f"{ref.sample_id}:{n};".encode())
+        for ref, start, n in zip(self.refs, self.offsets.tolist(), self.lengths.tolist(), strict=True):
+            digest.update((f"{ref.sample_id}:{n};" if start == 0 else f"{ref.sample_id}@{start}:{n};").encode())
         return digest.hexdigest()
 
 
-def collate(samples: list[Sample], max_tokens: int) -> Batch:
-    """Right-pad samples into one micro-batch (padding has loss_mask 0, so it is never scored)."""
-    lengths = [min(len(s.token_ids), max_tokens) for s in samples]
+def collate(samples: list[Sample], offsets: list[int]) -> Batch:
+    """Right-pad samples (windows starting at `offsets` of their samples) into one micro-batch.
+
+    Padding has loss_mask 0, so it is never scored.
+    """
+    lengths = [len(s.token_ids) for s in samples]
     width = max(lengths)
     num_layers, hidden_size = samples[0].hidden.shape[1:]
     token_ids = torch.zeros(len(samples), width, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), width, dtype=torch.bool)
     hidden = torch.zeros(len(samples), width, num_layers, hidden_size, dtype=torch.bfloat16)
     for row, (sample, n) in enumerate(zip(samples, lengths, strict=True)):
-        token_ids[row, :n] = torch.from_numpy(sample.token_ids[:n].astype(np.int64))
-        loss_mask[row, :n] = torch.from_numpy(sample.loss_mask[:n].astype(bool))
-        hidden[row, :n] = bits_to_tensor(sample.hidden[:n])
+        token_ids[row, :n] = torch.from_numpy(sample.token_ids.astype(np.int64))
+        loss_mask[row, :n] = torch.from_numpy(sample.loss_mask.astype(bool))
+        hidden[row, :n] = bits_to_tensor(sample.hidden)
     return {
         "token_ids": token_ids,
         "loss_mask": loss_mask,
         "context": hidden[:, :, :-1].flatten(2),
         "target_hidden": hidden[:, :, -1],
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.long),
+        "window_starts": torch.tensor(offsets, dtype=torch.long),
         "num_tokens": torch.tensor(sum(lengths), dtype=torch.long),
     }
 
@@ -92,7 +141,7 @@ class StepDataset(Dataset):
 
     def read_batch(self, store: ShardStore, batch: MicroBatch) -> Batch:
         samples = [store.read(self.split.refs[i]) for i in batch]
-        return self.prepare(collate(samples, self.split.max_tokens))
+        return self.prepare(collate(samples, [int(self.split.offsets[i]) for i in batch]))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_store": None}
@@ -129,4 +178,4 @@ class TimedLoader:
             yield item
 
 
-__all__ = ["Batch", "StepDataset", "StoreSplit", "TimedLoader", "collate"]
+__all__ = ["Batch", "StepDataset", "StoreSplit", "TimedLoader", "collate", "windows_of"]

@@ -20,9 +20,13 @@ from train.data import Batch
 from train.trainer import Trainer
 
 
-def anchor_seed(seed: int, epoch: int, sample_id: int, train: bool) -> int:
-    """Seed of one sample's anchors: fixed per (epoch, sample), whichever rank or batch it lands in."""
-    state = np.random.SeedSequence([seed, int(train), epoch, sample_id]).generate_state(2, np.uint32)
+def anchor_seed(seed: int, epoch: int, sample_id: int, train: bool, window_start: int = 0) -> int:
+    """Seed of one window's anchors: fixed per (epoch, sample, window), whichever rank or batch it lands in.
+
+    The first (for most samples the only) window keeps the seed of the whole sample.
+    """
+    entropy = [seed, int(train), epoch, sample_id] + ([window_start] if window_start else [])
+    state = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
     return int(state[0]) << 31 | int(state[1]) >> 1
 
 
@@ -45,11 +49,12 @@ class DSparkTrainer(Trainer):
 
     # ----- data (runs in the loader workers) -----
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
-        """Anchors (resampled each epoch, one generator per sample) and each slot's targets."""
+        """Anchors (resampled each epoch, one generator per window) and each slot's targets."""
         num = self.loss_cfg.num_anchors if train else self.cfg.eval_num_anchors
         rows = []
-        for row, sample_id in enumerate(batch["sample_ids"].tolist()):
-            gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, train))
+        windows = zip(batch["sample_ids"].tolist(), batch["window_starts"].tolist(), strict=True)
+        for row, (sample_id, start) in enumerate(windows):
+            gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
             mask = batch["loss_mask"][row : row + 1]
             if not train:  # held-out anchors stay uniform: the metric does not move with the lever
                 rows.append(sample_anchors(mask, num, gen))
@@ -90,6 +95,7 @@ class DSparkTrainer(Trainer):
             "context": torch.zeros(1, 2, width, dtype=torch.bfloat16),
             "target_hidden": torch.zeros(1, 2, model.layer_config.hidden_size, dtype=torch.bfloat16),
             "sample_ids": torch.zeros(1, dtype=torch.long),  # any id: nothing to sample from
+            "window_starts": torch.zeros(1, dtype=torch.long),
             "num_tokens": torch.zeros((), dtype=torch.long),
         }
         return self.prepare_batch(batch, epoch=0, train=True)

@@ -4,13 +4,17 @@ Three sinks: a progress bar (loss terms, τ, tokens/s, data-wait %, ETA), Tensor
 event files in `run_dir/tensorboard`, and `run_dir/metrics.jsonl` with one JSON object per
 line: `{"step": int, "split": "train" | "eval", <metric>: float, ...}` (train rows: `loss`,
 each loss term, `lr`, `grad_norm`, `tokens_per_s`, `data_wait`, `epoch`; eval rows: `tau`,
-`alpha_<k>` conditional and `accept_<k>` cumulative acceptance per slot, the loss terms).
-A resumed run first drops rows logged after its checkpoint, so the file reads as one run.
+`alpha_<k>` conditional and `accept_<k>` cumulative acceptance per slot, the loss terms;
+one `data` row at step 0: `train_samples`, `train_long_samples` (cut into windows),
+`train_windows` (their windows), `train_windows_left_out` (windows with nothing to score),
+the same for `eval_*`). A resumed run first drops the rows logged after its checkpoint
+(one atomic replace of the file), so the file reads as one run with every step once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
@@ -32,7 +36,12 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             continue
         if row["step"] <= last_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class Reporter:
@@ -74,6 +83,21 @@ class Reporter:
             f"eval step {step}: tau {metrics['tau']:.3f}  acceptance "
             + " ".join(f"{metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("alpha_"))
         )
+
+    def data(self, counts: dict[str, dict[str, int]]) -> None:
+        """Log what the splits hold, and how many long samples were cut into windows (`data` row at step 0)."""
+        if not self.enabled:
+            return
+        for split, c in counts.items():
+            if c.get("long_samples"):
+                self.message(
+                    f"{split}: {c['long_samples']} of {c['samples']} samples are longer than "
+                    f"train.tokens_per_micro_batch: trained as {c['windows']} windows "
+                    f"({c['windows_left_out']} more had nothing to score)"
+                )
+        row = {f"{split}_{k}": v for split, c in counts.items() for k, v in c.items()}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": 0, "split": "data", **row}) + "\n")
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from dspark.errors import UserError
 from train.checkpoint import CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
 from train.config import TrainConfig
 from train.data import Batch, StepDataset, StoreSplit, TimedLoader
@@ -49,6 +50,10 @@ class LoopState:
     best_step: int | None = None
     train_time_s: float = 0.0
     """Wall time spent in training steps, summed over resumes."""
+    evaluated_step: int | None = None
+    """Step of the last held-out evaluation (a rerun does not evaluate or log that step again)."""
+    last_eval: dict[str, float] = field(default_factory=dict)
+    """Metrics of that evaluation (what the export reports)."""
 
 
 def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
@@ -100,11 +105,10 @@ class Trainer:
             partial(warmup_cosine, total=self.total_steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
         )
         self.state = LoopState()
-        self.last_eval: dict[str, float] = {}
         self.saved_step: int | None = None
-        self.evaluated_step: int | None = None
         if resume_from is not None:
             self.restore(model, resume_from)
+            self.saved_step = self.state.step
         self.raw_model = model
         self.model = accelerator.prepare_model(model)
         self.writer = CheckpointWriter(
@@ -119,6 +123,8 @@ class Trainer:
         )
         if resume_from is not None:
             self.reporter.message(f"resuming from {resume_from} at step {self.state.step}")
+        else:
+            self.reporter.data({"train": train_split.counts, "eval": eval_split.counts if eval_split else {}})
 
     # ----- hooks -----
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
@@ -173,7 +179,7 @@ class Trainer:
         """Train to the end of the schedule, evaluate, save, export; returns the last eval metrics."""
         cfg, acc = self.cfg, self.accelerator
         if cfg.eval_on_start and self.eval_split is not None and self.state.step == 0:
-            self.last_eval = self.run_eval()
+            self.state.last_eval = self.run_eval()
         self.model.train()
         while self.state.step < self.total_steps and self.state.epoch < cfg.epochs:
             plan = self.planner.epoch(self.state.epoch)
@@ -201,21 +207,21 @@ class Trainer:
                 self.state.step_in_epoch = 0
         self.evaluate_and_save(final=True)
         if cfg.export and acc.is_main_process:
-            self.export(self.run_dir / "drafter", self.last_eval)
+            self.export(self.run_dir / "drafter", self.state.last_eval)
             self.reporter.message(f"drafter exported to {self.run_dir / 'drafter'}")
         acc.wait_for_everyone()
         self.reporter.close()
-        return self.last_eval
+        return self.state.last_eval
 
     def evaluate_and_save(self, *, final: bool) -> None:
         """Evaluate and checkpoint when due (always at the end, unless just done at this step)."""
         step, cfg = self.state.step, self.cfg
         improved = False
         due = cfg.eval_every and step % cfg.eval_every == 0
-        if self.eval_split is not None and (due if not final else self.evaluated_step != step):
-            self.last_eval = self.run_eval()
-            self.evaluated_step = step
-            improved = self.track_best(self.last_eval)
+        if self.eval_split is not None and (due if not final else self.state.evaluated_step != step):
+            self.state.last_eval = self.run_eval()
+            self.state.evaluated_step = step
+            improved = self.track_best(self.state.last_eval)
         if improved or (step % cfg.save_every == 0 if not final else self.saved_step != step):
             self.save(best=improved)
             self.saved_step = step
@@ -303,7 +309,7 @@ class Trainer:
         state = ckpt["state"]
         if state["step_in_epoch"] and state["plan"] != self.plan_identity():
             changed = sorted(k for k in state["plan"] if state["plan"][k] != self.plan_identity()[k])
-            raise ValueError(
+            raise UserError(
                 f"cannot resume {path} mid-epoch: {changed} changed since it was written "
                 "(the sample order would differ, repeating or skipping samples); restore them "
                 "or warm-start a new run with train.init_from"
