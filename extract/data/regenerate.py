@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,21 +57,25 @@ def prompt_sha(messages: list[dict[str, str]]) -> str:
 class Journal:
     """Append-only JSONL of finished conversations keyed by sample id; survives kill -9."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, others: Sequence[Path] = ()):
+        """Appends to `path`; `others` (other nodes' journals of the same run) are only read: their entries count as done."""
         self.path = path
         self.entries: dict[int, dict] = {}
+        for other in others:
+            self._load(other, own=False)
         if path.exists():
-            self._load()
+            self._load(path, own=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
 
-    def _load(self) -> None:
-        data = self.path.read_bytes()
+    def _load(self, path: Path, own: bool) -> None:
+        data = path.read_bytes()
         complete = data.rfind(b"\n") + 1
-        if complete < len(data):
+        if own and complete < len(data):
             # Only an interrupted append leaves an unterminated last line: drop it so the
-            # next append starts on a fresh line.
-            with open(self.path, "r+b") as f:
+            # next append starts on a fresh line. (In another node's journal it may be an
+            # append in progress: it is just not read.)
+            with open(path, "r+b") as f:
                 f.truncate(complete)
         for line_no, line in enumerate(data[:complete].splitlines(), 1):
             try:
@@ -77,7 +83,7 @@ class Journal:
                 self.entries[int(entry["sample_id"])] = entry
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(
-                    f"{self.path} line {line_no}: corrupt journal entry ({err}); delete the file to redo it"
+                    f"{path} line {line_no}: corrupt journal entry ({err}); delete the file to redo it"
                 ) from err
 
     def append(self, entry: dict) -> None:
@@ -101,28 +107,41 @@ def pending(conversations: list[Conversation], journal: Journal) -> list[Convers
 def regenerate(
     conversations: list[Conversation],
     journal: Journal,
-    url: str,
+    urls: Sequence[str],
     chat: ChatTokenizer,
     settings: ChatSettings,
     *,
     concurrency: int,
     request_timeout_s: float,
 ) -> None:
-    """Regenerate every conversation not yet in `journal`, appending each as it finishes."""
+    """Regenerate every conversation not yet in `journal` on the servers at `urls`, appending each as it finishes.
+
+    Each server has `concurrency` conversations in flight; a conversation takes whichever
+    server frees a slot first and keeps it for all its turns (its history stays in that
+    server's prefix cache). One process appends to the journal, so nothing is done twice.
+    """
     todo = pending(conversations, journal)
     if todo:
-        asyncio.run(_run_all(todo, journal, url, chat, settings, concurrency, request_timeout_s))
+        asyncio.run(_run_all(todo, journal, urls, chat, settings, concurrency, request_timeout_s))
 
 
-async def _run_all(todo, journal, url, chat, settings, concurrency, request_timeout_s) -> None:
+async def _run_all(todo, journal, urls, chat, settings, concurrency, request_timeout_s) -> None:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits) as client:
-        model = await _served_model(client)
-        gate = asyncio.Semaphore(concurrency)
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits)) for url in urls]
+        servers = [(client, await _served_model(client)) for client in clients]
+        free: asyncio.Queue = asyncio.Queue()
+        for _ in range(concurrency):  # interleaved: a short run still spreads over every server
+            for server in servers:
+                free.put_nowait(server)
 
         async def one(conv: Conversation) -> dict:
-            async with gate:
+            client, model = await free.get()
+            try:
                 return await _regenerate_one(conv, client, model, chat, settings)
+            finally:
+                free.put_nowait((client, model))
 
         tasks = [asyncio.create_task(one(c)) for c in todo]
         start, tokens = time.monotonic(), 0
