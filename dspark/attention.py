@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-ATTN_IMPLS = ("sdpa", "flex")
+from dspark.config import ATTN_IMPLS
 
 
 @dataclass

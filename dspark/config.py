@@ -1,42 +1,111 @@
-"""Config schemas, one dataclass per section.
+"""Config schemas, one dataclass per section, each refusing bad values when it is built.
 
-The dataclasses carry types and one-line docstrings only; every default value lives in
-Hydra's `conf/` tree (the single source of defaults). Stages merge the YAML into these
-schemas with `to_dataclass`, so a misspelt key or a wrong type fails before any work.
+The dataclasses carry types, one-line docstrings and range checks (`__post_init__`); every
+default value lives in Hydra's `conf/` tree (the single source of defaults). A stage turns
+a section of its composed config into its schema with `load_section`, so a misspelt key, a
+wrong type or a value out of range fails at load time, before any work, with a
+`UserError` naming `section.field`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dspark.errors import UserError
+
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+ATTN_IMPLS = ("sdpa", "flex")
+DISTRIBUTION_TERMS = ("ce", "tv", "kl")
+CE_TARGETS = ("data", "argmax")
+ANCHOR_SAMPLING = ("uniform", "confident", "all")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class Checked:
+    """Base of the schemas: helpers that refuse a field's value with `SECTION.field` in the message."""
+
+    SECTION: ClassVar[str] = ""
+    """Where the schema lives in the composed config (`train`, `eval.offline`, ...)."""
+
+    def refuse(self, field: str, requirement: str) -> None:
+        raise UserError(f"{self.SECTION}.{field} {requirement}, got {getattr(self, field)!r}")
+
+    def at_least(self, minimum: float, *fields: str, nullable: bool = False) -> None:
+        """Each field >= minimum (None allowed when `nullable`)."""
+        for field in fields:
+            value = getattr(self, field)
+            if value is None and nullable:
+                continue
+            if value is None or value < minimum:
+                self.refuse(field, f"must be {'null or ' if nullable else ''}>= {minimum}")
+
+    def positive(self, *fields: str, nullable: bool = False) -> None:
+        """Each field > 0 (None allowed when `nullable`)."""
+        for field in fields:
+            value = getattr(self, field)
+            if not ((value is None and nullable) or (value is not None and value > 0)):
+                self.refuse(field, f"must be {'null or ' if nullable else ''}> 0")
+
+    def one_of(self, field: str, choices: tuple[str, ...]) -> None:
+        if getattr(self, field) not in choices:
+            self.refuse(field, f"must be one of {list(choices)}")
+
 
 @dataclass
-class TargetConfig:
-    """The verifier: shared by every pass so layer ids and paths cannot drift."""
+class TargetConfig(Checked):
+    """The verifier: shared by every pass so layer ids and paths cannot drift.
+
+    Null fields are derived from the verifier itself (`dspark.targets.resolve_target`;
+    `target=auto` leaves them all null).
+    """
+
+    SECTION: ClassVar[str] = "target"
 
     name: str
-    """Short name used in run directories and reports."""
+    """Short name used in run directories and reports (`target=auto`: the last part of `name_or_path`)."""
     name_or_path: str
     """HF hub id, local HF directory, or `embedded:smollm2` for the PyPI-shipped default."""
     revision: str | None
     """Hub revision to pin (ignored for local directories)."""
     aux_layer_ids: list[int] | None
-    """Aux layer ids in vLLM's convention (id k = residual entering layer k); null = evenly spaced."""
+    """Aux layer ids in vLLM's convention (id k = residual entering layer k); null = the paper's spacing."""
     mask_token_id: int | None
-    """Unused embedding row used as the draft mask token; null = first id past the tokenizer."""
-    chat_template_kwargs: dict[str, Any]
-    """Extra kwargs for `apply_chat_template` (e.g. `enable_thinking: false` for Qwen3)."""
-    dtype: str
-    """dtype the verifier runs in on the server (`float32` is fastest on CPU, `bfloat16` on GPU)."""
-    max_model_len: int
-    """Context length given to the vLLM server (also the longest sample kept)."""
+    """Embedding row used as the draft mask token; null = the first row past the tokenizer, else its pad token."""
+    chat_template_kwargs: dict[str, Any] | None
+    """Extra kwargs for `apply_chat_template` (e.g. `enable_thinking: false`); null = derived from the template."""
+    dtype: str | None
+    """dtype the verifier runs in on the server; null = float32 without CUDA, else the config's dtype."""
+    max_model_len: int | None
+    """Context length given to the vLLM server (also the longest sample kept); null = the config's."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name_or_path, str) or not self.name_or_path.strip():
+            self.refuse("name_or_path", "must name the verifier (a local HF dir, a hub id or embedded:smollm2)")
+        if not self.name or "/" in self.name:
+            self.refuse("name", "must be a non-empty name without `/` (it names the run directories)")
+        self.positive("max_model_len", nullable=True)
+        if self.dtype is not None:
+            self.one_of("dtype", DTYPES)
+
+
+def default_target_name(name_or_path: str) -> str:
+    """`Qwen/Qwen3-0.6B` -> `qwen3-0.6b`, `/models/llama/` -> `llama`, `embedded:smollm2` -> `smollm2`."""
+    return str(name_or_path).rstrip("/").replace(":", "/").rsplit("/", 1)[-1].lower()
+
+
+# `conf/target/auto.yaml` names its runs after the verifier: `${dspark.target_name:${target.name_or_path}}`.
+OmegaConf.register_new_resolver("dspark.target_name", default_target_name, replace=True)
 
 
 @dataclass
-class DraftConfig:
+class DraftConfig(Checked):
     """Architecture of the DSpark draft model (sized from the verifier's HF config)."""
+
+    SECTION: ClassVar[str] = "model"
 
     num_layers: int
     """Number of Qwen3 decoder layers in the draft."""
@@ -59,10 +128,22 @@ class DraftConfig:
     attn_impl: str
     """`sdpa` (everywhere) or `flex` (CUDA only, tested equal to sdpa)."""
 
+    def __post_init__(self) -> None:
+        self.at_least(1, "block_size", "num_layers")
+        self.at_least(1, "draft_vocab_size", "sliding_window", nullable=True)
+        if self.markov_rank < 0:
+            self.refuse("markov_rank", "must be >= 0 (0 disables the head)")
+        self.one_of("markov_type", MARKOV_TYPES)
+        if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            self.refuse("confidence_head_with_markov", "needs the Markov head (model.markov_rank > 0)")
+        self.one_of("attn_impl", ATTN_IMPLS)
+
 
 @dataclass
-class LossConfig:
+class LossConfig(Checked):
     """Training objective."""
+
+    SECTION: ClassVar[str] = "loss"
 
     weights: dict[str, float]
     """Weights of the distribution terms: `ce`, `tv` (= ½‖q−p‖₁) and `kl`."""
@@ -81,25 +162,73 @@ class LossConfig:
     anchor_pool: int | None
     """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
 
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.weights) - set(DISTRIBUTION_TERMS))
+        if unknown:
+            raise UserError(f"loss.weights: unknown term(s) {unknown}; known: {list(DISTRIBUTION_TERMS)}")
+        if any(w < 0 for w in self.weights.values()):
+            self.refuse("weights", "must be >= 0 for every term")
+        self.one_of("ce_target", CE_TARGETS)
+        self.at_least(0, "confidence_weight")
+        self.positive("gamma")
+        self.at_least(1, "num_anchors", "chunk_size")
+        self.one_of("anchor_sampling", ANCHOR_SAMPLING)
+        self.at_least(1, "anchor_pool", nullable=True)
+
 
 T_cfg = TypeVar("T_cfg")
 
 
-def to_dataclass(cls: type[T_cfg], cfg: DictConfig | dict) -> T_cfg:
+def to_dataclass(cls: type[T_cfg], cfg: DictConfig | dict, section: str | None = None) -> T_cfg:
     """Validate `cfg` against the dataclass schema `cls` and return an instance.
 
-    Unknown keys, missing keys and wrong types raise an error naming the field.
+    Unknown keys, missing keys, wrong types and values the schema's checks refuse raise a
+    `UserError` naming the field (prefixed with `section`, default the schema's own).
     """
-    if isinstance(cfg, DictConfig):
-        # A section taken out of the tree can no longer see `${paths.*}` or `${target.*}`:
-        # resolve its interpolations (against the whole tree) before validating it alone.
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    schema = OmegaConf.structured(cls)
-    merged = OmegaConf.merge(schema, cfg)
-    missing = sorted(OmegaConf.missing_keys(merged))
+    section = section or getattr(cls, "SECTION", "") or cls.__name__
+    try:
+        if isinstance(cfg, DictConfig):
+            _refuse_missing(section, cfg)
+            # A section taken out of the tree can no longer see `${paths.*}` or `${target.*}`:
+            # resolve its interpolations (against the whole tree) before validating it alone.
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(cls), cfg)
+        _refuse_missing(section, merged)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        detail = str(err).splitlines()[0]
+        key = str(getattr(err, "full_key", None) or "")
+        if key and key != section and not key.startswith(f"{section}."):
+            key = f"{section}.{key}"  # the key of a plain dict is relative to the section
+        raise UserError(f"{key or section}: {detail}") from err
+
+
+def _missing_keys(cfg: DictConfig) -> list[str]:
+    """Keys left `???`, without resolving interpolations (one may point at a missing key)."""
+    missing = []
+    for key in cfg.keys():
+        if OmegaConf.is_missing(cfg, key):
+            missing.append(str(key))
+        elif not OmegaConf.is_interpolation(cfg, key) and isinstance(cfg[key], DictConfig):
+            missing += [f"{key}.{sub}" for sub in _missing_keys(cfg[key])]
+    return missing
+
+
+def _refuse_missing(section: str, cfg: DictConfig) -> None:
+    missing = _missing_keys(cfg)
     if missing:
-        raise ValueError(f"{cls.__name__}: missing config keys {missing}")
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        raise UserError(f"{section}: no value for {', '.join(f'{section}.{k}' for k in missing)} "
+                        f"(set it on the command line, e.g. {section}.{missing[0]}=...)")
 
 
-__all__ = ["TargetConfig", "DraftConfig", "LossConfig", "to_dataclass"]
+def load_section(cls: type[T_cfg], cfg: DictConfig, name: str) -> T_cfg:
+    """`cfg[name]` of a composed stage config as a checked `cls` (the one way every stage reads a section)."""
+    if name not in cfg:
+        raise UserError(f"the config has no `{name}` section")
+    return to_dataclass(cls, cfg[name], name)
+
+
+__all__ = [
+    "ATTN_IMPLS", "CE_TARGETS", "Checked", "DISTRIBUTION_TERMS", "DTYPES", "DraftConfig", "LossConfig",
+    "MARKOV_TYPES", "TargetConfig", "default_target_name", "load_section", "to_dataclass",
+]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MARKOV_TYPES = ("vanilla", "gated", "rnn")
+from dspark.config import MARKOV_TYPES
 
 
 class MarkovHead(nn.Module):

@@ -18,29 +18,10 @@ from torch.nn import functional as F
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dspark.attention import ATTN_IMPLS, BlockLayout, DraftAttention
+from dspark.attention import BlockLayout, DraftAttention
 from dspark.config import DraftConfig
-from dspark.heads import MARKOV_TYPES, ConfidenceHead, MarkovHead
+from dspark.heads import ConfidenceHead, MarkovHead
 from dspark.verifier import VerifierHead, check_model_type, require_field
-
-def check_draft_config(cfg: DraftConfig) -> None:
-    """Clear errors, naming the field, for draft settings the model cannot be built from."""
-    if cfg.block_size < 1:
-        raise ValueError(f"model.block_size must be >= 1, got {cfg.block_size}")
-    if cfg.num_layers < 1:
-        raise ValueError(f"model.num_layers must be >= 1, got {cfg.num_layers}")
-    if cfg.markov_rank < 0:
-        raise ValueError(f"model.markov_rank must be >= 0 (0 disables the head), got {cfg.markov_rank}")
-    if cfg.markov_type not in MARKOV_TYPES:
-        raise ValueError(f"model.markov_type must be one of {MARKOV_TYPES}, got {cfg.markov_type!r}")
-    if cfg.confidence_head and cfg.confidence_head_with_markov and cfg.markov_rank == 0:
-        raise ValueError("model.confidence_head_with_markov needs the Markov head (model.markov_rank > 0)")
-    if cfg.sliding_window is not None and cfg.sliding_window < 1:
-        raise ValueError(f"model.sliding_window must be null or >= 1, got {cfg.sliding_window}")
-    if cfg.attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"model.attn_impl must be one of {ATTN_IMPLS}, got {cfg.attn_impl!r}")
-    if cfg.attn_impl == "flex" and not torch.cuda.is_available():
-        raise RuntimeError("model.attn_impl=flex needs a CUDA device; use model.attn_impl=sdpa here")
 
 
 def draft_layer_config(verifier_config: PretrainedConfig, cfg: DraftConfig) -> Qwen3Config:
@@ -129,7 +110,9 @@ class DSparkDraft(nn.Module):
     def __init__(self, cfg: DraftConfig, verifier_config: PretrainedConfig, aux_layer_ids: list[int],
                  mask_token_id: int, d2t: torch.Tensor | None = None):
         super().__init__()
-        check_draft_config(cfg)
+        # The values themselves were checked when `cfg` was built (DraftConfig.__post_init__).
+        if cfg.attn_impl == "flex" and not torch.cuda.is_available():
+            raise RuntimeError("model.attn_impl=flex needs a CUDA device; use model.attn_impl=sdpa here")
         self.cfg = cfg
         self.layer_config = draft_layer_config(verifier_config, cfg)
         self.verifier_architectures = list(getattr(verifier_config, "architectures", None) or [])
@@ -277,4 +260,4 @@ class DSparkDraft(nn.Module):
         return self.confidence_head(features)
 
 
-__all__ = ["DSparkDraft", "DraftDecoderLayer", "check_draft_config", "draft_layer_config"]
+__all__ = ["DSparkDraft", "DraftDecoderLayer", "draft_layer_config"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dspark.config import TargetConfig, to_dataclass
+from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
 from eval.config import EvalConfig
@@ -15,19 +15,18 @@ from extract.config import ServerConfig
 
 
 def stage_configs(cfg: DictConfig) -> tuple[TargetConfig, EvalConfig, ServerConfig]:
-    """The target, eval and server sections as checked dataclasses (interpolations resolved
-    first: a section taken out of the tree can no longer see `target` or `paths`)."""
-    OmegaConf.resolve(cfg)
-    return (to_dataclass(TargetConfig, cfg.target), to_dataclass(EvalConfig, cfg.eval),
-            to_dataclass(ServerConfig, cfg.server))
+    """The target, eval and server sections as checked dataclasses."""
+    return (load_section(TargetConfig, cfg, "target"), load_section(EvalConfig, cfg, "eval"),
+            load_section(ServerConfig, cfg, "server"))
 
 
 def run(cfg: DictConfig) -> dict:
     """Evaluate `cfg.drafter`; returns the report (also written to `eval.out_dir/report.json`)."""
+    sections = stage_configs(cfg)  # a bad config value is refused before anything is read
     drafter = Path(cfg.drafter)
     if not (drafter / "config.json").is_file():
         raise UserError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
-    return evaluate_drafter(drafter, *stage_configs(cfg))
+    return evaluate_drafter(drafter, *sections)
 
 
 def headline(report: dict) -> str:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from dspark.config import DTYPES, Checked
+
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
-class OfflineConfig:
+class OfflineConfig(Checked):
     """Acceptance on the held-out store, computed from stored verifier states (no server)."""
+
+    SECTION: ClassVar[str] = "eval.offline"
 
     enabled: bool
     """Run the offline evaluation."""
@@ -27,10 +33,21 @@ class OfflineConfig:
     device: str
     """`auto` (cuda when present), `cpu` or `cuda`."""
 
+    def __post_init__(self) -> None:
+        self.at_least(1, "max_samples", "anchors_per_sample", nullable=True)
+        self.at_least(1, "anchors_per_forward")
+        self.one_of("device", DEVICES)
+        for field in ("length_buckets", "position_buckets"):
+            edges = getattr(self, field)
+            if not edges or any(a >= b for a, b in zip(edges, edges[1:])):
+                self.refuse(field, "must be a non-empty ascending list")
+
 
 @dataclass
-class CalibrationConfig:
+class CalibrationConfig(Checked):
     """Confidence-head quality and per-position sequential temperature scaling (STS)."""
+
+    SECTION: ClassVar[str] = "eval.calibration"
 
     enabled: bool
     """Score the confidence head (drafts without one skip this)."""
@@ -45,10 +62,20 @@ class CalibrationConfig:
     save: bool
     """Write the fitted temperatures to `<drafter>/calibration.json`."""
 
+    def __post_init__(self) -> None:
+        if not 0 < self.fit_fraction < 1:
+            self.refuse("fit_fraction", "must be in (0, 1)")
+        self.at_least(1, "n_bins")
+        self.positive("t_min")
+        if self.t_max <= self.t_min:
+            self.refuse("t_max", f"must be > eval.calibration.t_min ({self.t_min})")
+
 
 @dataclass
-class OnlineConfig:
+class OnlineConfig(Checked):
     """Served speed: the verifier in vLLM with and without the drafter, greedy, concurrency 1."""
+
+    SECTION: ClassVar[str] = "eval.online"
 
     enabled: bool
     """Run the online benchmark (starts vLLM servers)."""
@@ -71,17 +98,32 @@ class OnlineConfig:
     """Extra `--speculative-config` keys per method (e.g. `ngram: {prompt_lookup_max: 4}`)."""
     require_cuda_for_draft: bool
     """Skip the DSpark runs without CUDA (vLLM serves DSpark only on its GPU runner)."""
-    max_model_len: int
-    """Context length given to the servers."""
-    dtype: str
-    """dtype the servers run the verifier in."""
+    max_model_len: int | None
+    """Context length given to the servers; null = the target's (derived when the target leaves it null)."""
+    dtype: str | None
+    """dtype the servers run the verifier in; null = the target's."""
     request_timeout_s: float
     """Timeout of one completion request."""
 
+    def __post_init__(self) -> None:
+        self.at_least(1, "num_prompts", "max_tokens")
+        self.at_least(0, "warmup_requests")
+        self.at_least(1, "max_model_len", nullable=True)
+        if self.max_model_len is not None and self.max_model_len <= self.max_tokens:
+            self.refuse("max_model_len", f"must exceed eval.online.max_tokens ({self.max_tokens})")
+        if self.dtype is not None:
+            self.one_of("dtype", DTYPES)
+        if self.num_speculative_tokens is not None and (
+                not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1):
+            self.refuse("num_speculative_tokens", "must be null or a non-empty list of values >= 1")
+        self.positive("request_timeout_s")
+
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Checked):
     """The evaluation stage: offline acceptance, calibration, online speed, report and model card."""
+
+    SECTION: ClassVar[str] = "eval"
 
     store: str
     """Shard store of the held-out split."""
@@ -99,8 +141,10 @@ class EvalConfig:
 
 
 @dataclass
-class PruneConfig:
+class PruneConfig(Checked):
     """Post-hoc pruning of a drafter's vocabulary to the tokens the verifier emits."""
+
+    SECTION: ClassVar[str] = "prune"
 
     out: str
     """Directory of the pruned drafter."""
@@ -112,6 +156,10 @@ class PruneConfig:
     """With `draft_vocab_size: null`, the fewest occurrences for a token to be kept."""
     evaluate: bool
     """Measure τ of the original and the pruned drafter on the held-out store (eval.offline settings)."""
+
+    def __post_init__(self) -> None:
+        self.at_least(1, "draft_vocab_size", nullable=True)
+        self.at_least(1, "min_count")
 
 
 __all__ = ["CalibrationConfig", "EvalConfig", "OfflineConfig", "OnlineConfig", "PruneConfig"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from dspark.config import TargetConfig
 from dspark.export import load_drafter
 from dspark.model import DSparkDraft
 from dspark.store import ShardStore
-from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.targets import check_store_name, dataset_target, resolve_target
 from dspark.verifier import VerifierHead
 from eval import calibration as cal
 from eval.card import write_card
@@ -20,7 +21,6 @@ from eval.config import CalibrationConfig, EvalConfig
 from eval.offline import (
     BlockTable,
     check_compatible,
-    check_store_target,
     evaluate_blocks,
     held_out_refs,
     open_heldout_store,
@@ -41,10 +41,13 @@ def load_checked(drafter_dir: str | Path, target: TargetConfig,
                  store_url: str) -> tuple[DSparkDraft, VerifierHead, ShardStore, Path]:
     """Drafter, verifier head and held-out store, refused with a clear error when they do not belong together."""
     store = open_heldout_store(store_url)
-    check_store_target(store, target.name_or_path)
-    target_dir = resolve_target_dir(target.name_or_path, target.revision)
+    where = f"eval.store={store.url}"
+    check_store_name(store.attrs, target.name_or_path, where)  # before resolving: the clearest error
+    verifier_target = resolve_target(target)
+    verifier_target.check_store(store.attrs, where, layers=False)  # the drafter's aux layers are checked below
+    target_dir = verifier_target.model_dir
     draft = load_drafter(drafter_dir)
-    check_compatible(drafter_dir, draft, store, target.name_or_path, target_dir, tokenizer_sha256(target_dir))
+    check_compatible(drafter_dir, draft, store, target.name_or_path, target_dir)
     verifier = VerifierHead.from_pretrained(target_dir)
     draft.load_verifier(verifier)
     return draft, verifier, store, target_dir
@@ -123,10 +126,12 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
     report["data"] = data_info(cfg.data_dir, store)
     report = publish(report, out_dir)
     if cfg.online.enabled:
-        target_dir = resolve_target_dir(target.name_or_path, target.revision)
-        prompts = load_prompts(cfg.online.prompts_file, cfg.data_dir, cfg.online.num_prompts,
-                               cfg.online.max_model_len - cfg.online.max_tokens)
-        report["online"] = run_online(target_dir, drafter_dir, info["block_size"], prompts, cfg.online, server,
+        verifier = resolve_target(target, dataset_target(cfg.data_dir))
+        online = replace(cfg.online, max_model_len=cfg.online.max_model_len or verifier.config.max_model_len,
+                         dtype=cfg.online.dtype or verifier.config.dtype)
+        prompts = load_prompts(online.prompts_file, cfg.data_dir, online.num_prompts,
+                               online.max_model_len - online.max_tokens)
+        report["online"] = run_online(verifier.model_dir, drafter_dir, info["block_size"], prompts, online, server,
                                       out_dir / "servers", cuda=torch.cuda.is_available())
         report = publish(report, out_dir)
     if cfg.write_card:

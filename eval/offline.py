@@ -92,23 +92,11 @@ def _same_verifier(name: str, target_name_or_path: str, target_dir: Path) -> boo
     return path.is_dir() and path.resolve() == Path(target_dir).resolve()
 
 
-def check_store_target(store: ShardStore, target_name_or_path: str) -> None:
-    """Refuse a held-out store extracted from another verifier than the configured target."""
-    stored = store.target.get("name_or_path")
-    if stored != target_name_or_path:
-        raise ValueError(
-            f"eval.store={store.url} holds states of {stored!r}, but target.name_or_path is "
-            f"{target_name_or_path!r}; pick the matching target=... (or store)"
-        )
-
-
 def check_compatible(drafter_dir: str | Path, draft: DSparkDraft, store: ShardStore,
-                     target_name_or_path: str, target_dir: Path, target_tokenizer_sha256: str) -> None:
-    """Refuse (ValueError naming what differs) a drafter, store and target that do not belong together."""
-    check_store_target(store, target_name_or_path)
+                     target_name_or_path: str, target_dir: Path) -> None:
+    """Refuse (ValueError naming what differs) a drafter that does not belong to the store and target
+    (the store itself is checked against the target by `Target.check_store`)."""
     stored = store.target
-    if store.attrs.get("tokenizer_sha256") != target_tokenizer_sha256:
-        raise ValueError(f"eval.store={store.url}: tokenizer_sha256 differs from the tokenizer of {target_dir}")
     name = drafter_verifier_name(drafter_dir)
     if not _same_verifier(name, target_name_or_path, target_dir):
         raise ValueError(
@@ -263,7 +251,6 @@ __all__ = [
     "acceptance_summary",
     "bucket_labels",
     "check_compatible",
-    "check_store_target",
     "drafter_verifier_name",
     "evaluate_blocks",
     "grouped_summary",

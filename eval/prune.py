@@ -24,7 +24,7 @@ import zarr
 from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 
-from dspark.config import to_dataclass
+from dspark.config import load_section
 from dspark.entry import stage_main
 from dspark.export import CONFIG_FILE, META_FILE, WEIGHTS_FILE
 from dspark.store import ShardStore
@@ -149,7 +149,7 @@ def draft_token_ids(tensors: dict[str, torch.Tensor], draft_vocab_size: int, voc
 def run(cfg: DictConfig) -> dict:
     """Prune `cfg.drafter` as configured; returns (and writes) the comparison report."""
     target, eval_cfg, _ = stage_configs(cfg)
-    prune = to_dataclass(PruneConfig, cfg.prune)
+    prune = load_section(PruneConfig, cfg, "prune")
     src, dst = Path(cfg.drafter), Path(prune.out)
     if not (src / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"drafter={src}: not an exported drafter dir (no {CONFIG_FILE})")

@@ -9,21 +9,24 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dspark.config import TargetConfig, to_dataclass
+from dspark.config import Checked, TargetConfig, load_section
 from dspark.entry import stage_main
-from dspark.targets import resolve_target_dir
+from dspark.targets import dataset_target, resolve_target
 from extract.config import ServerConfig
 from extract.server import VLLMServer
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(Checked):
     """The `serve` section of conf/serve.yaml."""
+
+    SECTION: ClassVar[str] = "serve"
 
     port: int
     """Port on 127.0.0.1 the OpenAI-compatible server listens on."""
@@ -34,6 +37,10 @@ class ServeConfig:
     run_dir: str
     """Where the server log goes."""
 
+    def __post_init__(self) -> None:
+        self.at_least(1, "port")
+        self.at_least(1, "num_speculative_tokens", nullable=True)
+
 
 def speculative_config(drafter: Path, cfg: ServeConfig) -> dict:
     """vLLM's `--speculative-config` for a DSpark drafter directory."""
@@ -41,8 +48,6 @@ def speculative_config(drafter: Path, cfg: ServeConfig) -> dict:
         raise FileNotFoundError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
     spec: dict = {"method": "dspark", "model": str(drafter)}
     if cfg.num_speculative_tokens is not None:
-        if cfg.num_speculative_tokens < 1:
-            raise ValueError(f"serve.num_speculative_tokens must be >= 1, got {cfg.num_speculative_tokens}")
         spec["num_speculative_tokens"] = cfg.num_speculative_tokens
     if cfg.adaptive_verification:
         spec["enable_adaptive_verification"] = True
@@ -51,16 +56,16 @@ def speculative_config(drafter: Path, cfg: ServeConfig) -> dict:
 
 @stage_main("serve")
 def main(cfg: DictConfig) -> None:
-    OmegaConf.resolve(cfg)
-    target = to_dataclass(TargetConfig, cfg.target)
-    server_cfg = to_dataclass(ServerConfig, cfg.server)
-    serve_cfg = to_dataclass(ServeConfig, cfg.serve)
+    verifier = resolve_target(load_section(TargetConfig, cfg, "target"), dataset_target(cfg.paths.data_dir))
+    target = verifier.config  # every field filled
+    server_cfg = load_section(ServerConfig, cfg, "server")
+    serve_cfg = load_section(ServeConfig, cfg, "serve")
     spec = speculative_config(Path(cfg.drafter), serve_cfg)
     if not torch.cuda.is_available():
         # vLLM serves DSpark only on its V2 GPU runner; failing here beats a crash deep in the engine.
         raise SystemExit("make serve: DSpark serving needs a CUDA GPU (vLLM's V2 GPU runner); none found")
     server = VLLMServer(
-        resolve_target_dir(target.name_or_path, target.revision), Path(serve_cfg.run_dir),
+        verifier.model_dir, Path(serve_cfg.run_dir),
         extra_args=[*server_cfg.extra_args, "--speculative-config", json.dumps(spec)],
         env=server_cfg.env, port=serve_cfg.port, ready_timeout_s=server_cfg.ready_timeout_s,
         max_model_len=target.max_model_len, dtype=target.dtype, stop_timeout_s=server_cfg.stop_timeout_s,

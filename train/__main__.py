@@ -14,15 +14,16 @@ import signal
 import torch
 from omegaconf import DictConfig
 
+from dspark.config import load_section
 from dspark.entry import stage_main
 from dspark.lifetime import die_with_parent
-from train.build import build_trainer, check_devices, config_section, make_accelerator
+from train.build import build_trainer, check_devices, make_accelerator
 from train.config import TrainConfig
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train as configured; returns the final held-out metrics."""
-    train_cfg = config_section(TrainConfig, cfg, "train")
+    train_cfg = load_section(TrainConfig, cfg, "train")
     check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: a killed launcher takes it along
         die_with_parent(signal.SIGKILL)

@@ -7,22 +7,20 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoTokenizer
 
-from dspark.config import DraftConfig, LossConfig, TargetConfig, to_dataclass
+from dspark.config import DraftConfig, LossConfig, TargetConfig, load_section
 from dspark.errors import UserError
 from dspark.export import load_drafter
 from dspark.init import init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.store import ShardStore
-from dspark.targets import EMBEDDED_PREFIX, resolve_target_dir, tokenizer_sha256
-from dspark.verifier import VerifierHead, resolve_aux_layer_ids, resolve_mask_token_id
+from dspark.targets import EMBEDDED_PREFIX, Target, dataset_target, resolve_target
+from dspark.verifier import VerifierHead
 from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
 from train.checkpoint import (
     load_trainable_state,
@@ -34,35 +32,6 @@ from train.config import TrainConfig
 from train.data import StoreSplit
 from train.dspark_trainer import DSparkTrainer
 from train.resume import clear_run, resume_point
-
-T = TypeVar("T")
-RESUME_MODES = ("auto", "never", "must", "restart")
-MIXED_PRECISION = ("auto", "bf16", "no")
-
-
-def check_train_config(cfg: TrainConfig) -> None:
-    """Clear errors, naming the field, for values the loop cannot run with."""
-    positive = ("epochs", "tokens_per_step", "tokens_per_micro_batch", "save_every", "keep_last", "log_every",
-                "prefetch_steps", "eval_num_anchors")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"train.{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("eval_every", "data_workers"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"train.{name} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.max_steps is not None and cfg.max_steps < 1:
-        raise ValueError(f"train.max_steps must be null or >= 1, got {cfg.max_steps}")
-    if cfg.resume not in RESUME_MODES:
-        raise ValueError(f"train.resume must be one of {RESUME_MODES}, got {cfg.resume!r}")
-    if cfg.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"train.mixed_precision must be one of {MIXED_PRECISION}, got {cfg.mixed_precision!r}")
-    if not 0 <= cfg.warmup_ratio < 1 or not 0 <= cfg.min_lr_ratio <= 1:
-        raise ValueError("train.warmup_ratio must be in [0, 1) and train.min_lr_ratio in [0, 1]")
-    if len(cfg.adam_betas) != 2:
-        raise ValueError(f"train.adam_betas must be [beta1, beta2], got {cfg.adam_betas}")
-    if cfg.grad_clip is not None and cfg.grad_clip <= 0:
-        raise ValueError(f"train.grad_clip must be null or > 0, got {cfg.grad_clip}")
-
 
 def check_devices(processes_per_node: int, cuda_devices: int) -> None:
     """On a CUDA machine every process needs its own GPU (CPU runs may start any number)."""
@@ -81,30 +50,13 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     return Accelerator(cpu=not cuda, mixed_precision=precision, kwargs_handlers=[timeout])
 
 
-def expected_store_target(target: TargetConfig, hf_config, aux_layer_ids: list[int]) -> dict:
-    """The store attributes that must match this run's target (layer ids: aux + final)."""
-    num_layers = int(hf_config.num_hidden_layers)
-    return {
-        "name_or_path": target.name_or_path,
-        "hidden_size": int(hf_config.hidden_size),
-        "num_hidden_layers": num_layers,
-        "layer_ids": [*aux_layer_ids, num_layers],
-    }
-
-
-def open_store(url: str, field: str, expected: dict, tokenizer_hash: str) -> ShardStore:
+def open_store(url: str, field: str, target: Target) -> ShardStore:
     """Open a store and refuse one made for another target, other layers or another tokenizer."""
     try:
         store = ShardStore.open(url)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"train.{field}: no shard store at {url} (run `make extract` first): {err}") from err
-    found = store.target
-    wrong = {k: (found.get(k), v) for k, v in expected.items() if found.get(k) != v}
-    if wrong:
-        detail = "; ".join(f"{k}: store has {got!r}, this run needs {want!r}" for k, (got, want) in wrong.items())
-        raise ValueError(f"train.{field}={url} was extracted for another target or layers: {detail}")
-    if store.attrs.get("tokenizer_sha256") != tokenizer_hash:
-        raise ValueError(f"train.{field}={url}: tokenizer_sha256 differs from the target's tokenizer")
+    target.check_store(store.attrs, f"train.{field}={url}")
     role = {"train_store": "train", "eval_store": "eval"}[field]
     if store.attrs.get("split", role) != role:
         raise UserError(
@@ -114,9 +66,8 @@ def open_store(url: str, field: str, expected: dict, tokenizer_hash: str) -> Sha
     return store
 
 
-def open_split(url: str, field: str, expected: dict, tokenizer_hash: str, max_tokens: int,
-               max_samples: int | None = None) -> StoreSplit:
-    store = open_store(url, field, expected, tokenizer_hash)
+def open_split(url: str, field: str, target: Target, max_tokens: int, max_samples: int | None = None) -> StoreSplit:
+    store = open_store(url, field, target)
     split = StoreSplit.open(store, url, max_tokens, max_samples)
     if not split.refs:
         raise ValueError(f"train.{field}={url} has no committed samples: nothing to train or evaluate on")
@@ -190,18 +141,12 @@ def served_verifier_name(name_or_path: str, target_dir: Path) -> str:
     return name_or_path
 
 
-def config_section(cls: type[T], full_cfg: DictConfig, name: str) -> T:
-    """`full_cfg[name]` as a `cls`, its interpolations (`${paths.*}`) resolved against the whole config."""
-    return to_dataclass(cls, OmegaConf.to_container(full_cfg[name], resolve=True))
-
-
 def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrainer:
     """Check every input, build the draft and return its trainer (resumed when asked)."""
-    cfg = config_section(TrainConfig, full_cfg, "train")
-    target = config_section(TargetConfig, full_cfg, "target")
-    draft_cfg = config_section(DraftConfig, full_cfg, "model")
-    loss_cfg = config_section(LossConfig, full_cfg, "loss")
-    check_train_config(cfg)
+    cfg = load_section(TrainConfig, full_cfg, "train")
+    target_cfg = load_section(TargetConfig, full_cfg, "target")
+    draft_cfg = load_section(DraftConfig, full_cfg, "model")
+    loss_cfg = load_section(LossConfig, full_cfg, "loss")
     run_dir = Path(cfg.run_dir)
     if cfg.eval_store is not None and cfg.eval_store == cfg.train_store:
         raise UserError(f"train.eval_store is train.train_store ({cfg.train_store}): evaluate on a held-out store")
@@ -212,21 +157,16 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
             clear_run(run_dir)
         accelerator.wait_for_everyone()
 
-    target_dir = resolve_target_dir(target.name_or_path, target.revision)
-    hf_config = AutoConfig.from_pretrained(target_dir)
-    hf_config = getattr(hf_config, "text_config", None) or hf_config
-    aux_ids = resolve_aux_layer_ids(hf_config, target.aux_layer_ids)
-    tokenizer_len = len(AutoTokenizer.from_pretrained(target_dir)) if target.mask_token_id is None else 0
-    mask_id = resolve_mask_token_id(hf_config, tokenizer_len, target.mask_token_id)
-    expected = expected_store_target(target, hf_config, aux_ids)
-    tok_hash = tokenizer_sha256(target_dir)
-    train_split = open_split(cfg.train_store, "train_store", expected, tok_hash, cfg.tokens_per_micro_batch)
+    target = resolve_target(target_cfg, dataset_target(OmegaConf.select(full_cfg, "paths.data_dir")))
+    accelerator.print(target.describe())
+    target_dir = target.model_dir
+    train_split = open_split(cfg.train_store, "train_store", target, cfg.tokens_per_micro_batch)
     eval_split = None
     if cfg.eval_store is not None:
-        eval_split = open_split(cfg.eval_store, "eval_store", expected, tok_hash, cfg.tokens_per_micro_batch,
+        eval_split = open_split(cfg.eval_store, "eval_store", target, cfg.tokens_per_micro_batch,
                                 cfg.eval_max_samples)
 
-    vocab_size = int(hf_config.vocab_size)
+    vocab_size = target.vocab_size
     # Rank 0 writes the run's mapping; the others read what it wrote.
     with accelerator.main_process_first():
         mapping_file = vocab_mapping(cfg, draft_cfg, vocab_size, run_dir)
@@ -239,7 +179,8 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         d2t = mapping[0]
 
     torch.manual_seed(cfg.seed)
-    model = DSparkDraft(draft_cfg, hf_config, aux_ids, mask_id, d2t=d2t).to(accelerator.device)
+    model = DSparkDraft(draft_cfg, target.text_config, target.aux_layer_ids, target.mask_token_id,
+                        d2t=d2t).to(accelerator.device)
     # On the device first: the draft then shares the verifier's embedding instead of copying it.
     verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
     model.load_verifier(verifier)
@@ -267,8 +208,6 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
 __all__ = [
     "build_trainer",
     "check_devices",
-    "check_train_config",
-    "config_section",
     "make_accelerator",
     "open_store",
     "vocab_mapping",

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from dspark.config import Checked
+
+RESUME_MODES = ("auto", "never", "must", "restart")
+MIXED_PRECISION = ("auto", "bf16", "no")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Checked):
     """The training pass: data, schedule, checkpoints, evaluation and export."""
+
+    SECTION: ClassVar[str] = "train"
 
     run_name: str
     """Name of this run; its directory is `run_dir`."""
@@ -81,4 +89,21 @@ class TrainConfig:
     """Export the final drafter in speculators format to `run_dir/drafter`."""
 
 
-__all__ = ["TrainConfig"]
+    def __post_init__(self) -> None:
+        self.at_least(1, "epochs", "tokens_per_step", "tokens_per_micro_batch", "save_every", "keep_last",
+                      "log_every", "prefetch_steps", "eval_num_anchors")
+        self.at_least(0, "eval_every", "data_workers", "weight_decay")
+        self.at_least(1, "max_steps", "eval_max_samples", nullable=True)
+        self.positive("lr", "collective_timeout_s")
+        self.positive("grad_clip", nullable=True)
+        self.one_of("resume", RESUME_MODES)
+        self.one_of("mixed_precision", MIXED_PRECISION)
+        if not 0 <= self.warmup_ratio < 1:
+            self.refuse("warmup_ratio", "must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            self.refuse("min_lr_ratio", "must be in [0, 1]")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
+
+
+__all__ = ["MIXED_PRECISION", "RESUME_MODES", "TrainConfig"]

@@ -32,8 +32,7 @@ class StepPlanner:
     """Seed of the per-epoch sample order."""
 
     def __post_init__(self) -> None:
-        if self.tokens_per_micro_batch <= 0 or self.tokens_per_step <= 0:
-            raise ValueError("train.tokens_per_step and train.tokens_per_micro_batch must be > 0")
+        # The budgets are checked where they are configured (TrainConfig.__post_init__).
         if len(self.lengths) and int(self.lengths.max()) > self.tokens_per_micro_batch:
             raise ValueError("sample lengths must be capped at train.tokens_per_micro_batch")
 
