@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dspark.config import TargetConfig, to_dataclass
+from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
 from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
@@ -17,11 +17,11 @@ from extract.scale import scale_config
 def run(cfg: DictConfig) -> dict:
     """Build the dataset described by a composed `data` config; returns the summary."""
     return build_dataset(
-        to_dataclass(TargetConfig, cfg.target),
-        to_dataclass(SourceConfig, cfg.data),
-        to_dataclass(RegenConfig, cfg.regen),
-        to_dataclass(TokenizeConfig, cfg.tokenize),
-        to_dataclass(ServerConfig, cfg.server),
+        load_section(TargetConfig, cfg, "target"),
+        load_section(SourceConfig, cfg, "data"),
+        load_section(RegenConfig, cfg, "regen"),
+        load_section(TokenizeConfig, cfg, "tokenize"),
+        load_section(ServerConfig, cfg, "server"),
         Path(cfg.paths.data_dir),
         scale_config(cfg),
     )

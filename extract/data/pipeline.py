@@ -22,7 +22,7 @@ import numpy as np
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
-from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.targets import resolve_target
 from dspark.vocab import count_tokens
 from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
@@ -52,9 +52,10 @@ def build_dataset(
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_target_dir(target.name_or_path, target.revision)
+    verifier = resolve_target(target)  # null target fields derived from the verifier (target=auto)
+    print(verifier.describe())
+    target, model_dir, tok_sha = verifier.config, verifier.model_dir, verifier.tokenizer_sha256
     chat = ChatTokenizer(model_dir, target.chat_template_kwargs)  # a missing template fails before any work
-    tok_sha = tokenizer_sha256(model_dir)
 
     loaded = load_source(source)
     if loaded.problems:
@@ -89,12 +90,12 @@ def build_dataset(
     if not any(rows.values()):
         raise ValueError(f"no sample survived (see the reasons above); nothing written to {data_dir}")
 
-    vocab_size = _vocab_size(model_dir)
+    vocab_size = verifier.vocab_size
     _write_dataset(data_dir, rows, vocab_size)
     summary = {
         "target": {"name": target.name, "name_or_path": target.name_or_path, "revision": target.revision,
                    "model_dir": str(model_dir), "tokenizer_sha256": tok_sha, "vocab_size": vocab_size,
-                   "end_of_turn_ids": chat.end_of_turn, "chat_template_kwargs": dict(target.chat_template_kwargs)},
+                   "end_of_turn_ids": chat.end_of_turn, **verifier.dataset_fields()},  # reused by later passes
         "source": asdict(source) | {"name": loaded.name, "rows": loaded.rows, "usable": len(loaded.conversations),
                                     "selected": len(selected)},
         "regeneration": _regen_summary(regen, settings, journal_path, replies, selected),
@@ -265,12 +266,6 @@ def format_summary(summary: dict, data_dir: Path) -> str:
         lines.append(f"  WARNING: mask_token_id {summary['target']['mask_token_id']} occurs "
                      f"{summary['target']['mask_token_in_data']} times in the data")  # fmt: skip
     return "\n".join(lines)
-
-
-def _vocab_size(model_dir: Path) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
 
 
 def _write_atomic(path: Path, chunks: Iterable[str]) -> None:
