@@ -136,8 +136,9 @@ def test_trainer_reads_an_fp8_store(tmp_path):
             "train.data_workers": 0, "train.export": "false", "train.eval_on_start": "true",
         })))
         losses[dtype] = (rows(run_dir, "train")[1]["loss"], rows(run_dir, "eval")[0]["tau"])
+    print(f"\n[fp8] first train loss and untrained tau, bf16 vs fp8: {losses}")
     assert ShardStore.open(tmp_path / FP8 / "train").attrs["format_version"] == 2
     (bf16_loss, bf16_tau), (fp8_loss, fp8_tau) = losses["bfloat16"], losses[FP8]
-    # Same seed, same samples: FP8's ~3% state error moves the first loss and τ only slightly.
-    assert np.isfinite(fp8_loss) and fp8_loss == pytest.approx(bf16_loss, rel=0.05), losses
-    assert fp8_tau == pytest.approx(bf16_tau, rel=0.05), losses
+    # Same seed, same samples: FP8 moves the first loss and τ by <1% (seen: 0.05%, 0.07%).
+    assert np.isfinite(fp8_loss) and fp8_loss == pytest.approx(bf16_loss, rel=0.01), losses
+    assert fp8_tau == pytest.approx(bf16_tau, rel=0.01), losses
