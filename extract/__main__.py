@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dspark.config import TargetConfig, to_dataclass
+from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
 from extract.config import ExtractConfig, ServerConfig
 from extract.pipeline import run_extraction
@@ -13,11 +13,10 @@ from extract.scale import scale_config
 
 def run(cfg: DictConfig) -> dict:
     """Run the stage for a composed `extract` config; returns the summary."""
-    OmegaConf.resolve(cfg)  # sections refer to `paths.*`; to_dataclass sees one section at a time
     return run_extraction(
-        to_dataclass(TargetConfig, cfg.target),
-        to_dataclass(ExtractConfig, cfg.extract),
-        to_dataclass(ServerConfig, cfg.server),
+        load_section(TargetConfig, cfg, "target"),
+        load_section(ExtractConfig, cfg, "extract"),
+        load_section(ServerConfig, cfg, "server"),
         scale_config(cfg),
     )
 
