@@ -33,12 +33,11 @@ from pathlib import Path
 import httpx
 
 
-from dspark.config import TargetConfig, load_section  # noqa: E402
+from dspark.config import TargetConfig, to_dataclass  # noqa: E402
 from dspark.store import ShardStore  # noqa: E402
-from dspark.targets import Target  # noqa: E402
 from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
 from extract.config import ExtractConfig, ServerConfig  # noqa: E402
-from extract.pipeline import load_verifier, raw_bytes_per_token, server_args, store_bytes  # noqa: E402
+from extract.pipeline import deterministic_args, Verifier, load_verifier, server_args, store_bytes  # noqa: E402
 from extract.server import VLLMServer  # noqa: E402
 from bench import write_figures
 
@@ -50,11 +49,13 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def stage_config() -> tuple[TargetConfig, ExtractConfig, ServerConfig]:
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="extract")
-    return load_section(TargetConfig, cfg, "target"), load_section(ExtractConfig, cfg, "extract"), \
-        load_section(ServerConfig, cfg, "server")
+    OmegaConf.resolve(cfg)
+    return to_dataclass(TargetConfig, cfg.target), to_dataclass(ExtractConfig, cfg.extract), \
+        to_dataclass(ServerConfig, cfg.server)
 
 
 def sharegpt_rows(model_dir: Path, n: int) -> list[Row]:
@@ -95,10 +96,10 @@ async def plain_prefill(url: str, model: str, rows: list[Row], concurrency: int)
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
 
 
-async def extraction(url: str, model: str, rows: list[Row], verifier: Target, ex: ExtractConfig,
+async def extraction(url: str, staging: Path, model: str, rows: list[Row], verifier: Verifier, ex: ExtractConfig,
                      store: ShardStore | None, concurrency: int = 0) -> None:
     async with HiddenStatesClient(url, model, n_layers=len(verifier.layer_ids), hidden_size=verifier.hidden_size,
-                                  timeout_s=ex.request_timeout_s) as client:
+                                  timeout_s=ex.request_timeout_s, staging_dir=staging) as client:
         if store is None:  # read and drop, `concurrency` at a time
             todo = iter(rows)
 
@@ -134,24 +135,34 @@ def main(out_dir: Path) -> dict:
     warm_rows = [Row(-1 - i, r.input_ids, r.loss_mask) for i, r in enumerate(rows)]
     with tempfile.TemporaryDirectory() as tmp, \
             tempfile.TemporaryDirectory(dir=default_staging_root(), prefix="bench-extract-") as staging:
-        tmp = Path(tmp)
+        tmp, staging = Path(tmp), Path(staging)
         plain = VLLMServer(model, tmp / "plain", extra_args=["--disable-uvicorn-access-log", *srv.extra_args],
                            **common)
         extracting = VLLMServer(model, tmp / "extract",
-                                extra_args=server_args(verifier.layer_ids, "cpu", Path(staging), srv.extra_args),
+                                extra_args=server_args(verifier.layer_ids, "cpu", staging / "normal", srv.extra_args),
                                 **common)
-        with plain, extracting:
+        # extract.deterministic: one sample per engine step, no chunked prefill, no prefix cache.
+        one_by_one = VLLMServer(model, tmp / "deterministic", extra_args=server_args(
+            verifier.layer_ids, "cpu", staging / "deterministic",
+            [*srv.extra_args, *deterministic_args(target.max_model_len + 1)]), **common)
+        with plain, extracting, one_by_one:
             asyncio.run(plain_prefill(plain.url, model, warm_rows, ex.concurrency))
-            asyncio.run(extraction(extracting.url, model, warm_rows, verifier, ex, None, ex.concurrency))
-            plain_s, extract_s, dropped_s = [], [], []
+            asyncio.run(extraction(extracting.url, staging / "normal", model, warm_rows, verifier, ex, None,
+                                   ex.concurrency))
+            asyncio.run(extraction(one_by_one.url, staging / "deterministic", model, warm_rows, verifier, ex, None,
+                                   ex.concurrency))
+            plain_s, extract_s, dropped_s, deterministic_s = [], [], [], []
             for r in range(ROUNDS):
-                store = ShardStore.create_or_open(str(tmp / f"store-{r}"), verifier.store_attrs(),
+                store = ShardStore.create_or_open(str(tmp / f"store-{r}"), verifier.store_target,
                                                   verifier.tokenizer_sha256)
                 plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))
-                extract_s.append(timed(lambda s=store: extraction(extracting.url, model, rows, verifier, ex, s)))
+                extract_s.append(timed(lambda s=store: extraction(extracting.url, staging / "normal", model, rows,
+                                                                  verifier, ex, s)))
                 assert len(store.committed_sample_ids()) == len(rows)
-                dropped_s.append(timed(lambda: extraction(extracting.url, model, warm_rows, verifier, ex, None,
-                                                          ex.concurrency)))
+                dropped_s.append(timed(lambda: extraction(extracting.url, staging / "normal", model, warm_rows,
+                                                          verifier, ex, None, ex.concurrency)))
+                deterministic_s.append(timed(lambda: extraction(one_by_one.url, staging / "deterministic", model,
+                                                                warm_rows, verifier, ex, None, ex.concurrency)))
         disk = store_bytes(str(tmp / "store-0"))
     ratios = [e / p for e, p in zip(extract_s, plain_s)]
     figures = {
@@ -168,17 +179,21 @@ def main(out_dir: Path) -> dict:
         # (server side + transfer) against plain prefill, and the store writes on top.
         "extraction_without_store_s": [round(t, 2) for t in dropped_s],
         "extraction_without_store_vs_plain_prefill": round(sum(dropped_s) / sum(plain_s), 3),
+        # extract.deterministic against the normal mode, both without the store writes.
+        "deterministic_without_store_s": [round(t, 2) for t in deterministic_s],
+        "deterministic_vs_normal_extraction": round(sum(deterministic_s) / sum(dropped_s), 3),
         "store_bytes_per_token": round(disk / n_tokens, 1),
-        "raw_bytes_per_token": raw_bytes_per_token(verifier),
-        "store_size_vs_raw": round(disk / (n_tokens * raw_bytes_per_token(verifier)), 3),
+        "raw_bytes_per_token": verifier.raw_bytes_per_token,
+        "store_size_vs_raw": round(disk / (n_tokens * verifier.raw_bytes_per_token), 3),
     }  # fmt: skip
     print(f"{len(rows)} samples, {n_tokens} tokens, {ROUNDS} alternating rounds: plain prefill "
           f"{figures['plain_tokens_per_s']:.0f} tok/s, extraction {figures['extraction_tokens_per_s']:.0f} tok/s: "
           f"extraction takes {figures['extraction_time_vs_plain_prefill']:.2f}x plain prefill's time "
           f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}; without the store writes "
-          f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x); "
+          f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x; deterministic mode "
+          f"{figures['deterministic_vs_normal_extraction']:.2f}x the normal mode's time); "
           f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
-          f"({raw_bytes_per_token(verifier)} B/token)")
+          f"({verifier.raw_bytes_per_token} B/token)")
     return write_figures(out_dir, "extract", figures)
 
 

@@ -7,7 +7,9 @@ token ids as prompt and `max_tokens=1`. The response names a staged safetensors 
 layer id, the model's dtype) and `token_ids [T]`. The connector writes that file one
 engine step *after* the response, holding an exclusive flock on `<file>.lock` until it
 is complete, so the client keeps more requests in flight than the server batches and
-reads each file once its lock is free, then deletes it.
+reads each file once its lock is free, then deletes it. The client opens and deletes only
+files inside the staging directory it was given (a private one the stage created); a
+response naming any other path is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from dspark.errors import UserError
 from dspark.store import Sample, ShardStore, bf16_to_bits
 
 SHM = Path("/dev/shm")
@@ -41,6 +45,10 @@ class ServerFailure(RuntimeError):
 
 class ExtractionError(RuntimeError):
     """A sample or the server's answer for it is wrong in a way a retry cannot fix."""
+
+
+class UnexpectedAnswer(UserError):
+    """The server answered something other than what a vLLM extraction server answers (wrong URL or setup)."""
 
 
 @dataclass
@@ -59,15 +67,53 @@ def default_staging_root() -> Path:
     return Path(tempfile.gettempdir())
 
 
+def private_staging_dir(root: Path) -> Path:
+    """A fresh directory under `root` that only this user can enter (mode 0700, unpredictable name)."""
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="dspark-extract-", dir=root))
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse a staging dir that others could write into or that is not a plain directory of ours."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise UserError(f"staging dir {path} does not exist: extract.staging_dir must name the directory the "
+                        "extraction server stages its files in") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise UserError(f"staging dir {path} must be a directory owned by this user and writable by no one "
+                        f"else (found mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): "
+                        "the client reads and deletes the files named there")
+
+
+def staged_path(answer: str, staging_dir: Path, url: str) -> str:
+    """`answer` (a path named by the server) if it lies inside `staging_dir`; UnexpectedAnswer otherwise."""
+    real, root = os.path.realpath(answer), os.path.realpath(staging_dir)
+    if not os.path.isabs(answer) or os.path.commonpath([real, root]) != root or real == root:
+        raise UnexpectedAnswer(
+            f"{url} named the staged file {answer!r}, outside the staging dir {staging_dir}: refused (the client "
+            "only opens and deletes files there; set extract.staging_dir to the server's shared_storage_path)")
+    return real
+
+
+def expect(condition: bool, url: str, what: str, got: object) -> None:
+    """UnexpectedAnswer naming the URL, what was expected and (the start of) what came instead."""
+    if not condition:
+        raise UnexpectedAnswer(f"{url} is not a vLLM extraction server: expected {what}, got {str(got)[:300]!r}")
+
+
 class HiddenStatesClient:
     """Requests hidden states of single samples from one extraction server (an async context manager)."""
 
-    def __init__(self, url: str, model: str, *, n_layers: int, hidden_size: int, timeout_s: float):
+    def __init__(self, url: str, model: str, *, n_layers: int, hidden_size: int, timeout_s: float,
+                 staging_dir: Path):
+        """`staging_dir`: where the server stages files; a response naming a path elsewhere is refused."""
         self.url = url.rstrip("/")
         self.model = model
         self.n_layers = n_layers
         self.hidden_size = hidden_size
         self.timeout_s = timeout_s
+        self.staging_dir = Path(staging_dir)
         self._http: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> HiddenStatesClient:
@@ -108,22 +154,31 @@ class HiddenStatesClient:
         if resp.status_code >= 500:
             raise ServerFailure(f"{where}: {self.url} failed with HTTP {resp.status_code}: {resp.text[:500]}")
         if resp.status_code != 200:
-            raise ExtractionError(
-                f"{where}: {self.url} refused the request (HTTP {resp.status_code}): {resp.text[:500]}")
-        body = resp.json()
+            raise UnexpectedAnswer(f"{where}: {self.url} refused POST /v1/completions (HTTP {resp.status_code}), "
+                                   f"expected a completion from a vLLM extraction server: {resp.text[:500]}")
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        completion = "a JSON completion {'choices': [{'prompt_token_ids': [...]}], 'kv_transfer_params': {...}}"
+        expect(isinstance(body, dict) and isinstance(body.get("choices"), list) and body["choices"]
+               and isinstance(body["choices"][0], dict), self.url, completion, resp.text)
         echoed = body["choices"][0].get("prompt_token_ids")
         if echoed != row.input_ids:
             raise ExtractionError(
                 f"{where}: the server echoed other prompt token ids than it was sent "
                 f"({_first_difference(echoed, row.input_ids)}); it must not re-tokenize the prompt"
             )
-        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        params = body.get("kv_transfer_params") or {}
+        expect(isinstance(params, dict), self.url, completion, resp.text)
+        path = params.get("hidden_states_path")
         if not path:
             raise ExtractionError(
                 f"{where}: the response has no kv_transfer_params.hidden_states_path; is {self.url} running "
                 "with --speculative-config method=extract_hidden_states and a hidden-states connector?"
             )
-        return path
+        expect(isinstance(path, str), self.url, "kv_transfer_params.hidden_states_path as a string", path)
+        return staged_path(path, self.staging_dir, self.url)
 
     async def _read_staged(self, path: str, row: Row) -> np.ndarray:
         where = f"sample {row.sample_id}"
@@ -169,9 +224,10 @@ class HiddenStatesClient:
             )
         expected = (len(row.input_ids), self.n_layers, self.hidden_size)
         if tuple(hidden.shape) != expected:
-            raise ExtractionError(
-                f"{where}: staged hidden_states have shape {list(hidden.shape)}, expected {list(expected)} "
-                "(tokens, stored layers, hidden size): was the server started with other layer ids?"
+            raise UnexpectedAnswer(
+                f"{where}: {self.url} returned hidden states of shape {list(hidden.shape)}, expected "
+                f"{list(expected)} (tokens, stored layers, hidden size of the target): the server runs another "
+                "model or other layer ids than target.* configures"
             )
         finite = torch.isfinite(hidden)
         if not bool(finite.all()):
@@ -280,6 +336,9 @@ __all__ = [
     "Row",
     "ServerFailure",
     "ShardWriter",
+    "UnexpectedAnswer",
+    "check_private_dir",
     "default_staging_root",
     "extract_rows",
+    "private_staging_dir",
 ]

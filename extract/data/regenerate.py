@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from dspark.errors import UserError
 from extract.data.problems import RowError
 from extract.data.sources import Conversation
 from extract.data.tokenize import ChatTokenizer
@@ -33,8 +34,8 @@ from extract.data.tokenize import ChatTokenizer
 
 
 
-class RegenerationError(RuntimeError):
-    """The server failed in a way that retrying the same request would not fix from here."""
+class RegenerationError(UserError):
+    """The server is unreachable, failed, or answered something else than a vLLM server: the message names it."""
 
 
 @dataclass
@@ -165,8 +166,9 @@ async def _served_model(client: httpx.AsyncClient) -> str:
         response = await client.get("/v1/models")
         response.raise_for_status()
         return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
-        raise RegenerationError(f"{client.base_url}: no usable vLLM server ({err!r})") from err
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as err:
+        raise RegenerationError(f"{client.base_url} (regen.server_url): no usable vLLM server: expected GET "
+                                f"/v1/models to answer {{'data': [{{'id': ...}}]}} ({err!r})") from err
 
 
 async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: ChatSettings) -> dict:
@@ -223,7 +225,13 @@ async def _complete(client, model, history, settings: ChatSettings) -> tuple[str
         raise RegenerationError(
             f"{client.base_url}: HTTP {response.status_code}: {response.text[:500]}; rerun to continue"
         )
-    body = response.json()
-    choice = body["choices"][0]
-    text = choice["message"].get("content") or ""
-    return text, choice.get("finish_reason") == "stop", body["usage"]["completion_tokens"]
+    try:
+        body = response.json()
+        choice = body["choices"][0]
+        text = choice["message"].get("content") or ""
+        return text, choice.get("finish_reason") == "stop", body["usage"]["completion_tokens"]
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
+        raise RegenerationError(
+            f"{client.base_url}: expected a chat completion {{'choices': [{{'message': {{'content': ...}}}}], "
+            f"'usage': {{'completion_tokens': ...}}}} from POST /v1/chat/completions, got {response.text[:300]!r} "
+            f"({err!r})") from err
