@@ -33,11 +33,12 @@ from pathlib import Path
 import httpx
 
 
-from dspark.config import TargetConfig, to_dataclass  # noqa: E402
+from dspark.config import TargetConfig, load_section  # noqa: E402
 from dspark.store import ShardStore  # noqa: E402
+from dspark.targets import Target  # noqa: E402
 from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
 from extract.config import ExtractConfig, ServerConfig  # noqa: E402
-from extract.pipeline import deterministic_args, Verifier, load_verifier, server_args, store_bytes  # noqa: E402
+from extract.pipeline import deterministic_args, load_verifier, raw_bytes_per_token, server_args, store_bytes  # noqa: E402
 from extract.server import VLLMServer  # noqa: E402
 from bench import write_figures
 
@@ -49,13 +50,11 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def stage_config() -> tuple[TargetConfig, ExtractConfig, ServerConfig]:
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="extract")
-    OmegaConf.resolve(cfg)
-    return to_dataclass(TargetConfig, cfg.target), to_dataclass(ExtractConfig, cfg.extract), \
-        to_dataclass(ServerConfig, cfg.server)
+    return load_section(TargetConfig, cfg, "target"), load_section(ExtractConfig, cfg, "extract"), \
+        load_section(ServerConfig, cfg, "server")
 
 
 def sharegpt_rows(model_dir: Path, n: int) -> list[Row]:
@@ -96,7 +95,7 @@ async def plain_prefill(url: str, model: str, rows: list[Row], concurrency: int)
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
 
 
-async def extraction(url: str, staging: Path, model: str, rows: list[Row], verifier: Verifier, ex: ExtractConfig,
+async def extraction(url: str, staging: Path, model: str, rows: list[Row], verifier: Target, ex: ExtractConfig,
                      store: ShardStore | None, concurrency: int = 0) -> None:
     async with HiddenStatesClient(url, model, n_layers=len(verifier.layer_ids), hidden_size=verifier.hidden_size,
                                   timeout_s=ex.request_timeout_s, staging_dir=staging) as client:
@@ -153,7 +152,7 @@ def main(out_dir: Path) -> dict:
                                    ex.concurrency))
             plain_s, extract_s, dropped_s, deterministic_s = [], [], [], []
             for r in range(ROUNDS):
-                store = ShardStore.create_or_open(str(tmp / f"store-{r}"), verifier.store_target,
+                store = ShardStore.create_or_open(str(tmp / f"store-{r}"), verifier.store_attrs(),
                                                   verifier.tokenizer_sha256)
                 plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))
                 extract_s.append(timed(lambda s=store: extraction(extracting.url, staging / "normal", model, rows,
@@ -183,8 +182,8 @@ def main(out_dir: Path) -> dict:
         "deterministic_without_store_s": [round(t, 2) for t in deterministic_s],
         "deterministic_vs_normal_extraction": round(sum(deterministic_s) / sum(dropped_s), 3),
         "store_bytes_per_token": round(disk / n_tokens, 1),
-        "raw_bytes_per_token": verifier.raw_bytes_per_token,
-        "store_size_vs_raw": round(disk / (n_tokens * verifier.raw_bytes_per_token), 3),
+        "raw_bytes_per_token": raw_bytes_per_token(verifier),
+        "store_size_vs_raw": round(disk / (n_tokens * raw_bytes_per_token(verifier)), 3),
     }  # fmt: skip
     print(f"{len(rows)} samples, {n_tokens} tokens, {ROUNDS} alternating rounds: plain prefill "
           f"{figures['plain_tokens_per_s']:.0f} tok/s, extraction {figures['extraction_tokens_per_s']:.0f} tok/s: "
@@ -193,7 +192,7 @@ def main(out_dir: Path) -> dict:
           f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x; deterministic mode "
           f"{figures['deterministic_vs_normal_extraction']:.2f}x the normal mode's time); "
           f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
-          f"({verifier.raw_bytes_per_token} B/token)")
+          f"({raw_bytes_per_token(verifier)} B/token)")
     return write_figures(out_dir, "extract", figures)
 
 

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from dspark.config import Checked
+
+CONNECTORS = ("auto", "cpu", "stock")
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(Checked):
     """How a local vLLM server is started (the `server` group, shared by every pass)."""
+
+    SECTION: ClassVar[str] = "server"
 
     env: dict[str, str]
     """Environment variables set for the server on top of the current ones."""
@@ -18,10 +25,16 @@ class ServerConfig:
     stop_timeout_s: float
     """Grace period between SIGTERM and SIGKILL when stopping."""
 
+    def __post_init__(self) -> None:
+        self.positive("ready_timeout_s")
+        self.at_least(0, "stop_timeout_s")
+
 
 @dataclass
-class ExtractConfig:
+class ExtractConfig(Checked):
     """Pass 1b: tokenized splits -> hidden states in shard stores."""
+
+    SECTION: ClassVar[str] = "extract"
 
     splits: list[str]
     """Splits to extract: `<data_dir>/<split>.jsonl` -> store `<store_dir>/<split>`."""
@@ -49,3 +62,11 @@ class ExtractConfig:
     """Restarts allowed per server before the run fails."""
     deterministic: bool
     """One sample per engine step, no chunked prefill or prefix cache: reruns give bit-identical states."""
+
+    def __post_init__(self):
+        self.at_least(1, "concurrency", "shard_samples", "shard_tokens")
+        self.positive("request_timeout_s")
+        self.at_least(0, "max_restarts")
+        self.one_of("connector", CONNECTORS)
+        if not self.splits:
+            self.refuse("splits", "is empty: nothing to extract")

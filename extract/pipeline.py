@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import fsspec
@@ -37,8 +37,7 @@ from dspark.config import TargetConfig
 from dspark.errors import UserError
 from dspark.errors import UserError
 from dspark.store import ShardStore
-from dspark.targets import resolve_target_dir, tokenizer_sha256
-from dspark.verifier import resolve_aux_layer_ids
+from dspark.targets import Target, dataset_target, resolve_target
 from extract.client import (
     HiddenStatesClient,
     Row,
@@ -56,7 +55,6 @@ from extract.scale import ScaleConfig, server_envs, tp_args
 from extract.server import ServerError, VLLMServer, log_tail
 
 SUMMARY = "extract-summary.json"
-CONNECTORS = ("auto", "cpu", "stock")
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "extract.connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 # In run_dir: the private staging dir of the last run, removed by the next one (a killed run leaves it).
@@ -64,45 +62,16 @@ STAGING_RECORD = ".staging-dir"
 MANAGED, EXTERNAL = "managed", "external, unverified"
 
 
-@dataclass
-class Verifier:
-    """What extraction needs to know about the target model."""
-
-    name_or_path: str
-    model_dir: Path
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    layer_ids: list[int]
-    """Stored layer ids: the aux ids, then num_hidden_layers (the final layer, pre-norm)."""
-    tokenizer_sha256: str
-
-    @property
-    def store_target(self) -> dict:
-        return {"name_or_path": self.name_or_path, "hidden_size": self.hidden_size,
-                "num_hidden_layers": self.num_hidden_layers, "layer_ids": self.layer_ids, "dtype": "bfloat16"}
-
-    @property
-    def raw_bytes_per_token(self) -> int:
-        """Uncompressed bytes of one stored token: bf16 hidden states + int32 id + uint8 mask."""
-        return len(self.layer_ids) * self.hidden_size * 2 + 4 + 1
+def load_verifier(target: TargetConfig, data_dir: str | Path | None = None) -> Target:
+    """The verifier's identity; null target fields as the dataset summary in `data_dir` recorded them."""
+    verifier = resolve_target(target, dataset_target(data_dir))
+    print(verifier.describe())
+    return verifier
 
 
-def load_verifier(target: TargetConfig) -> Verifier:
-    from transformers import AutoConfig
-
-    model_dir = resolve_target_dir(target.name_or_path, target.revision)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    n = int(hf_config.num_hidden_layers)
-    return Verifier(
-        name_or_path=target.name_or_path,
-        model_dir=model_dir,
-        hidden_size=int(hf_config.hidden_size),
-        num_hidden_layers=n,
-        vocab_size=int(hf_config.vocab_size),
-        layer_ids=[*resolve_aux_layer_ids(hf_config, target.aux_layer_ids), n],
-        tokenizer_sha256=tokenizer_sha256(model_dir),
-    )
+def raw_bytes_per_token(verifier: Target) -> int:
+    """Uncompressed bytes of one stored token: bf16 hidden states + int32 id + uint8 mask."""
+    return len(verifier.layer_ids) * verifier.hidden_size * 2 + 4 + 1
 
 
 # -- server setup ------------------------------------------------------------------------
@@ -116,8 +85,6 @@ def speculative_config(layer_ids: list[int]) -> dict:
 
 def resolve_connector(setting: str, cuda: bool) -> str:
     """`cpu` or `stock`; `auto` = stock on CUDA (its async pinned-memory copy), cpu elsewhere."""
-    if setting not in CONNECTORS:
-        raise UserError(f"extract.connector must be one of {CONNECTORS}, got {setting!r}")
     if setting == "auto":
         return "stock" if cuda else "cpu"
     return setting
@@ -208,7 +175,7 @@ def served_model(url: str) -> dict:
     return data[0]
 
 
-def check_served_model(url: str, model: dict, verifier: Verifier) -> None:
+def check_served_model(url: str, model: dict, verifier: Target) -> None:
     """Refuse an external server whose model is not the target (by name: all that can be checked up front)."""
     ours = {verifier.name_or_path, str(verifier.model_dir), str(Path(verifier.model_dir).resolve())}
     theirs = {model.get("id"), model.get("root")}
@@ -222,7 +189,7 @@ def check_served_model(url: str, model: dict, verifier: Verifier) -> None:
 class ManagedServers:
     """`gpus` extraction servers started together and stopped together (a context manager)."""
 
-    def __init__(self, verifier: Verifier, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig,
+    def __init__(self, verifier: Target, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig,
                  scale: ScaleConfig):
         import torch
 
@@ -320,19 +287,19 @@ class Progress:
         self.bar.close()
 
 
-def open_split_store(store_url: str, verifier: Verifier, split: Split, ex: ExtractConfig) -> ShardStore:
+def open_split_store(store_url: str, verifier: Target, split: Split, ex: ExtractConfig) -> ShardStore:
     """The split's store; its attrs say where the states came from and whether the mode was deterministic.
 
     Both are part of the store's identity: a rerun with another server kind or mode is
     refused instead of mixing states of both into one store.
     """
-    return ShardStore.create_or_open(store_url, verifier.store_target, verifier.tokenizer_sha256,
+    return ShardStore.create_or_open(store_url, verifier.store_attrs(), verifier.tokenizer_sha256,
                                      extra_attrs={"split": split.name, "data_sha256": split.sha256,
                                                   "states_server": EXTERNAL if ex.server_url else MANAGED,
                                                   "deterministic": ex.deterministic})
 
 
-async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Verifier, ex: ExtractConfig,
+async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Target, ex: ExtractConfig,
                progress: Progress) -> None:
     """Extract `rows` through one server into `store`, restarting the server when it fails."""
     writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens,
@@ -352,7 +319,7 @@ async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: V
         rows = [r for r in rows if r.sample_id not in done]
 
 
-async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str, verifier: Verifier,
+async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str, verifier: Target,
                         split: Split, ex: ExtractConfig, progress: Progress) -> None:
     """Split `rows` into contiguous ranges, one per server, each written by its own writer."""
     size, extra = divmod(len(rows), len(slots))
@@ -383,15 +350,14 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
     if ex.server_url and scale.servers != 1:
         raise UserError(f"extract.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
                         f"{scale.servers} started here (server_url=null)")
-    if not ex.splits:
-        raise UserError("extract.splits is empty: nothing to extract")
     if ex.server_url and ex.deterministic:
         raise UserError("extract.deterministic needs servers started by this run (it sets how they batch): "
                         "set extract.server_url=null, or extract.deterministic=false for an external server")
     if ex.server_url and not ex.staging_dir:
         raise UserError("extract.server_url needs extract.staging_dir: the directory the server stages its files "
                         "in (its kv_connector_extra_config.shared_storage_path); no other path is read or deleted")
-    verifier = load_verifier(target)
+    verifier = load_verifier(target, ex.data_dir)
+    target = verifier.config  # every field filled
     check_tokenizer(Path(ex.data_dir), verifier.tokenizer_sha256, target.name_or_path)
     splits = [read_split(Path(ex.data_dir), name, max_tokens=target.max_model_len, vocab_size=verifier.vocab_size)
               for name in ex.splits]
@@ -421,7 +387,7 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
             for split, url, todo, done in plan:
                 if not todo:
                     continue
-                progress = Progress(split.name, len(split.rows), done, verifier.raw_bytes_per_token)
+                progress = Progress(split.name, len(split.rows), done, raw_bytes_per_token(verifier))
                 t0 = time.monotonic()
                 try:
                     asyncio.run(extract_split(slots, todo, url, verifier, split, ex, progress))
@@ -431,7 +397,7 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
             restarts = [s.restarts for s in slots]
 
     summary = {
-        "target": verifier.store_target | {"model_dir": str(verifier.model_dir)},
+        "target": verifier.store_attrs() | {"model_dir": str(verifier.model_dir)},
         "gpus": scale.gpus, "tp": scale.tp, "nodes": scale.nodes, "node_rank": scale.node_rank,
         "connector": connector, "server_url": ex.server_url, "deterministic": ex.deterministic,
         "restarts": sum(restarts), "restarts_per_server": restarts,
@@ -464,7 +430,7 @@ class _External:
         pass
 
 
-def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | None, verifier: Verifier) -> dict:
+def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | None, verifier: Target) -> dict:
     store = ShardStore.open(url)
     missing = len({r.sample_id for r in split.rows} - store.committed_sample_ids())
     if missing:
@@ -479,7 +445,7 @@ def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | Non
         "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds else None,
         "store_bytes": disk,
         "store_bytes_per_token": None if disk is None else round(disk / n_tokens, 1),
-        "raw_bytes_per_token": verifier.raw_bytes_per_token,
+        "raw_bytes_per_token": raw_bytes_per_token(verifier),
     }  # fmt: skip
 
 
@@ -498,10 +464,10 @@ def format_summary(summary: dict, path: Path) -> str:
 __all__ = [
     "ManagedServers",
     "ServerSlot",
-    "Verifier",
     "extract_split",
     "kv_transfer_config",
     "load_verifier",
+    "raw_bytes_per_token",
     "resolve_connector",
     "run_extraction",
     "server_args",

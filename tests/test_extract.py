@@ -23,9 +23,11 @@ from conftest import make_tiny_qwen3
 from hydra import compose, initialize_config_dir
 
 from dspark.store import ShardStore, StoreMismatchError, bits_to_tensor
+from dspark.config import load_section
 from dspark.targets import resolve_target_dir, tokenizer_sha256
 from extract.__main__ import run as run_stage
 from extract.dataset import DatasetError
+from extract.config import ExtractConfig
 from extract.pipeline import kv_transfer_config, resolve_connector, server_args, server_envs
 from extract.server import VLLMServer
 
@@ -385,8 +387,10 @@ def test_connector_and_server_environment_choices():
     assert resolve_connector("auto", cuda=False) == "cpu"
     assert kv_transfer_config("cpu", Path("/s"))["kv_connector_module_path"] == "extract.connector"
     assert "kv_connector_module_path" not in kv_transfer_config("stock", Path("/s"))
-    with pytest.raises(ValueError, match="extract.connector"):
-        resolve_connector("gpu", cuda=False)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        bad = compose(config_name="extract", overrides=["extract.connector=gpu"])
+    with pytest.raises(ValueError, match="extract.connector"):  # refused when the config is loaded
+        load_section(ExtractConfig, bad, "extract")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         binds = [env["VLLM_CPU_OMP_THREADS_BIND"] for env in server_envs(2, False, {"X": "1"})]
