@@ -9,7 +9,7 @@ store's chunking (256 tokens) and one zarr shard per array:
 - raw:   no compression (the baseline of the time ratios; its files carry the zero
          padding of the last chunk, so sizes are compared with the bf16 bytes themselves);
 - zstd:  plain zstd level 3;
-- store: `ShardStore.write_shard` (Blosc byte-shuffle + zstd level 3, 1 MiB blocks).
+- store: `StoreWriter.write_shard` (Blosc byte-shuffle + zstd level 3, 1 MiB blocks).
 
 Every variant is checked to read back bit-exact. Write/read times are per variant over
 all samples (reads as one slice per sample, as the trainer reads).
@@ -23,13 +23,13 @@ import json
 import tempfile
 import time
 from importlib.util import find_spec
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 
-
-from dspark.store import HIDDEN_CHUNK_TOKENS, Sample, ShardStore, bf16_to_bits  # noqa: E402
 from bench import write_figures
+from dspark.store import HIDDEN_CHUNK_TOKENS, Sample, StoreWriter, bf16_to_bits
 
 TARGET = "embedded:smollm2"
 
@@ -93,14 +93,14 @@ def _plain_variant(samples: list[Sample], out: Path, compressors) -> dict:
     arr[...] = hidden
     write_s = time.perf_counter() - start
     start = time.perf_counter()
-    back = [arr[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    back = [arr[a:b] for a, b in pairwise(offsets)]
     read_s = time.perf_counter() - start
     assert np.array_equal(np.concatenate(back), hidden)
     return {"bytes": _dir_bytes(out), "write_s": write_s, "read_s": read_s}
 
 
 def _store_variant(samples: list[Sample], target: dict, out: Path) -> dict:
-    store = ShardStore.create_or_open(str(out), target, "bench")
+    store = StoreWriter.create_or_open(str(out), target, "bench")
     start = time.perf_counter()
     entry = store.write_shard(samples)
     write_s = time.perf_counter() - start
