@@ -315,7 +315,8 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(vllm_url, servable_
             "regen.concurrency=3", "tokenize.min_loss_tokens=1", "data.eval_fraction=0.2"]  # fmt: skip
     killed = tmp_path / "killed"
     cli = [sys.executable, "-m", "extract.data", "target=qwen3-0.6b", f"target.name_or_path={servable_qwen3_dir}",
-           "target.dtype=float32", "target.max_model_len=1024", f"paths.data_dir={killed}", *args]  # fmt: skip
+           "target.dtype=float32", "target.max_model_len=1024", "target.aux_layer_ids=null", f"paths.data_dir={killed}",
+           *args]  # fmt: skip
     proc = subprocess.Popen(cli, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list(killed.glob("regen-*.jsonl")) or len(journal_entries(killed)) < 3:
@@ -342,3 +343,30 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(vllm_url, servable_
 
     assert prompts_by_id(killed) == prompts_by_id(straight)
     assert len(prompts_by_id(killed)) == n
+
+
+@pytest.mark.vllm
+def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_qwen3_dir, tmp_path):
+    files = [write_lines(tmp_path / f"{t}.jsonl", [sharegpt(f"{t} prompt {i}?") for i in range(8)]) for t in "abc"]
+    sources = ", ".join(f"{{source: jsonl, path: '{f}', weight: {w}}}" for f, w in zip(files, (2, 1, 1)))
+    args = ["data=mix", f"data.sources=[{sources}]", "data.max_samples=8", "data.eval_fraction=0.25",
+            f"regen.server_url={vllm_url}", "regen.max_new_tokens=4", "tokenize.min_loss_tokens=1"]  # fmt: skip
+    out = tmp_path / "out"
+    first = run(stage_config(servable_qwen3_dir, out, *args))
+    (journal,) = out.glob("regen-*.jsonl")
+    done = journal.read_text().splitlines()
+    assert len(done) == 8
+    journal.write_text("\n".join(done[:3]) + "\n" + done[3][:25])  # what a kill mid-run leaves
+    first_rows = {r["sample_id"]: (r["source"], r["split"]) for r in read_rows(out)}
+
+    second = run(stage_config(servable_qwen3_dir, out, *args))
+    entries = journal_entries(out)
+    assert sorted(e["sample_id"] for e in entries) == sorted(json.loads(line)["sample_id"] for line in done)
+    assert entries[:3] == [json.loads(line) for line in done[:3]]  # kept, not redone
+    assert second["regeneration"]["turns_cut_by_max_new_tokens"] + second["regeneration"]["turns_cut_by_context"] \
+        == sum(not f for e in entries for f in e["finished"])  # fmt: skip
+    rows = {r["sample_id"]: (r["source"], r["split"]) for r in read_rows(out)}
+    assert rows == first_rows and len(rows) == 8
+    per_source = [sum(s == f"jsonl:{t}.jsonl" for s, _ in rows.values()) for t in "abc"]
+    assert per_source == [4, 2, 2] == [p["selected"] for p in second["source"]["sources"]]
+    assert second["splits"]["eval"]["samples"] == 2  # ceil(0.25 * 8) distinct prompts held out

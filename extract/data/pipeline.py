@@ -3,37 +3,32 @@
 Output in `data_dir`: `train.jsonl`, `eval.jsonl` (rows: sample_id, source, split,
 input_ids, loss_mask), `token_freqs.npy` (int64 [vocab]: loss-masked train tokens) and
 `summary.json`; plus the regeneration journal `regen-<settings hash>.jsonl` that makes a
-rerun continue where a killed one stopped. Each output file is written to a temporary
-name and renamed, so a reader never sees half a dataset.
+rerun continue where a killed one stopped. The four files are one generation, switched
+in with one rename (`output.publish`), so a reader never sees half a dataset or a mix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Iterator
-
-import numpy as np
+from typing import Any, Iterator
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
 from dspark.targets import resolve_target
-from dspark.vocab import count_tokens
 from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
 from extract.data.problems import Problems, RowError
 from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, regenerate
-from extract.data.sources import Conversation, load_source, select
+from extract.data.mix import load_and_select
+from extract.data.output import SPLITS, publish
+from extract.data.sources import Conversation
 from extract.data.split import eval_fingerprints, prompt_fingerprint
 from extract.data.tokenize import ChatTokenizer
 from extract.scale import ScaleConfig, server_envs, tp_args
-
-SPLITS = ("train", "eval")
 
 
 def build_dataset(
@@ -57,22 +52,23 @@ def build_dataset(
     target, model_dir, tok_sha = verifier.config, verifier.model_dir, verifier.tokenizer_sha256
     chat = ChatTokenizer(model_dir, target.chat_template_kwargs)  # a missing template fails before any work
 
-    loaded = load_source(source)
+    loaded, selected, parts = load_and_select(source)
     if loaded.problems:
         print(loaded.problems.report(f"source {loaded.name}: {loaded.rows} rows read"))
-    selected = select(loaded.conversations, source.max_samples, source.seed)
     if not selected:
-        raise ValueError(f"source {loaded.name}: no usable conversation among {loaded.rows} rows")
+        raise UserError(f"source {loaded.name}: no usable conversation among {loaded.rows} rows (reasons above)")
 
-    settings = ChatSettings(
-        regen.temperature, regen.top_p, regen.max_new_tokens, target.max_model_len, dict(target.chat_template_kwargs)
-    )
+    settings = ChatSettings(regen.temperature, regen.top_p, regen.max_new_tokens, target.max_model_len,
+                            dict(target.chat_template_kwargs), regen.tool_calls)  # fmt: skip
     if regen.enabled:
         # Everything that changes what a conversation's regeneration would be; not the draw
         # (sample ids are stable, so a larger max_samples reuses what is done) nor the split.
         journal_key = {"target": target.name_or_path, "revision": target.revision, "model_dir": str(model_dir),
                        "tokenizer_sha256": tok_sha, "source": [source.source, source.path, source.hf_name,
                        source.hf_split, source.max_turns], "settings": asdict(settings)}  # fmt: skip
+        if parts:  # a mix: its sources, not their weights (a re-weighted mix reuses what is done)
+            journal_key["source"] = [source.max_turns] + [[p["source"], p["path"], p["hf_name"], p["hf_split"]]
+                                                          for p in parts]  # fmt: skip
         journal_path = data_dir / f"regen-{_short_hash(journal_key)}.jsonl"
         replies = _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir,
                                scale)
@@ -82,24 +78,24 @@ def build_dataset(
         journal_path, replies = None, _source_replies(selected)
 
     max_length = tokenize.max_length or target.max_model_len
-    rows, dropped, truncated = _tokenize_and_split(
+    rows, dropped, counts = _tokenize_and_split(
         selected, replies, chat, loaded.name, max_length, tokenize.min_loss_tokens, source.eval_fraction
     )
     if dropped:
         print(dropped.report(f"{len(selected)} selected conversations"))
     if not any(rows.values()):
-        raise ValueError(f"no sample survived (see the reasons above); nothing written to {data_dir}")
+        raise UserError(f"no sample survived (see the reasons above); nothing written to {data_dir}")
 
     vocab_size = verifier.vocab_size
-    _write_dataset(data_dir, rows, vocab_size)
     summary = {
         "target": {"name": target.name, "name_or_path": target.name_or_path, "revision": target.revision,
                    "model_dir": str(model_dir), "tokenizer_sha256": tok_sha, "vocab_size": vocab_size,
                    "end_of_turn_ids": chat.end_of_turn, **verifier.dataset_fields()},  # reused by later passes
         "source": asdict(source) | {"name": loaded.name, "rows": loaded.rows, "usable": len(loaded.conversations),
-                                    "selected": len(selected)},
+                                    "selected": len(selected), "sources": parts},
         "regeneration": _regen_summary(regen, settings, journal_path, replies, selected),
-        "tokenize": {"max_length": max_length, "min_loss_tokens": tokenize.min_loss_tokens, "truncated": truncated},
+        "tokenize": {"max_length": max_length, "min_loss_tokens": tokenize.min_loss_tokens, **counts,
+                     "thinking": chat.thinking},
         "splits": {s: _split_stats(rows[s]) for s in SPLITS},
         "dropped": {"source": loaded.problems.to_dict(), "samples": dropped.to_dict()},
     }  # fmt: skip
@@ -109,7 +105,7 @@ def build_dataset(
         summary["target"]["mask_token_in_data"] = sum(
             r["input_ids"].count(target.mask_token_id) for s in SPLITS for r in rows[s]
         )
-    _write_atomic(data_dir / "summary.json", [json.dumps(summary, indent=2) + "\n"])
+    publish(data_dir, rows, vocab_size, summary)
     print(format_summary(summary, data_dir))
     return summary
 
@@ -117,7 +113,7 @@ def build_dataset(
 def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_loss_tokens, eval_fraction):
     """Rows per split, what was dropped and why, and how many samples were truncated."""
     rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
-    dropped, truncated = Problems(), 0
+    dropped, truncated, context_turns = Problems(), 0, 0
     # Split on the source prompts (known before regeneration), so which samples are held
     # out never depends on what the target happened to generate.
     fingerprints = {c.sample_id: prompt_fingerprint(c.messages) for c in selected}
@@ -128,7 +124,7 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
             entry = replies[conv.sample_id]
             if "error" in entry:
                 raise RowError(entry["error"], entry.get("detail"))
-            ids, mask = chat.encode(entry["messages"], entry["finished"])
+            ids, mask, unscored = chat.encode_turns(entry["messages"], entry["finished"], conv.tools)
         except RowError as err:
             dropped.add_error(err, where)
             continue
@@ -137,21 +133,11 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
         if sum(mask) < min_loss_tokens:
             dropped.add("too few loss tokens", f"{where}: {sum(mask)} < {min_loss_tokens}")
             continue
+        context_turns += unscored
         split = "eval" if fingerprints[conv.sample_id] in held_out else "train"
-        rows[split].append({"sample_id": conv.sample_id, "source": source_name, "split": split,
+        rows[split].append({"sample_id": conv.sample_id, "source": conv.source or source_name, "split": split,
                             "input_ids": ids, "loss_mask": mask})  # fmt: skip
-    return rows, dropped, truncated
-
-
-def _write_dataset(data_dir: Path, rows: dict[str, list[dict]], vocab_size: int) -> None:
-    for split in SPLITS:
-        _write_atomic(data_dir / f"{split}.jsonl", (json.dumps(r, separators=(",", ":")) + "\n" for r in rows[split]))
-    train = rows["train"]
-    freqs = count_tokens((r["input_ids"] for r in train), (r["loss_mask"] for r in train), vocab_size)
-    tmp = data_dir / f"token_freqs.npy.{uuid.uuid4().hex}.tmp"  # unique: nodes may write at once
-    with open(tmp, "wb") as f:
-        np.save(f, freqs)
-    os.replace(tmp, data_dir / "token_freqs.npy")
+    return rows, dropped, {"truncated": truncated, "turns_reasoning_dropped_by_template": context_turns}
 
 
 def _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir,
@@ -241,10 +227,20 @@ def _regen_summary(regen, settings, journal_path, replies, selected) -> dict:
         "conversations": len(ok),
         "failed": len(entries) - len(ok),
         "assistant_turns": sum(len(e["finished"]) for e in ok),
-        "turns_cut_by_max_new_tokens": sum(not f for e in ok for f in e["finished"]),
+        # Journals of older runs have no per-turn limits: their turns ran under max_new_tokens.
+        **_cut_turns(ok, settings.max_new_tokens),
         "conversations_cut_to_fit_context": sum("cut_at_turn" in e for e in ok),
         "completion_tokens": sum(e["completion_tokens"] for e in ok),
     }
+
+
+def _cut_turns(entries: list[dict], max_new_tokens: int) -> dict[str, int]:
+    """Regenerated turns stopped by the token limit, by which limit; and source tool-call turns kept."""
+    limits = [(f, lim) for e in entries
+              for f, lim in zip(e["finished"], e.get("max_tokens", [max_new_tokens] * len(e["finished"])))]  # fmt: skip
+    return {"turns_cut_by_max_new_tokens": sum(not f and lim == max_new_tokens for f, lim in limits),
+            "turns_cut_by_context": sum(not f and lim is not None and lim < max_new_tokens for f, lim in limits),
+            "tool_call_turns_kept": sum(lim is None for _, lim in limits)}  # fmt: skip
 
 
 def _split_stats(rows: list[dict]) -> dict[str, int]:
@@ -266,15 +262,6 @@ def format_summary(summary: dict, data_dir: Path) -> str:
         lines.append(f"  WARNING: mask_token_id {summary['target']['mask_token_id']} occurs "
                      f"{summary['target']['mask_token_in_data']} times in the data")  # fmt: skip
     return "\n".join(lines)
-
-
-def _write_atomic(path: Path, chunks: Iterable[str]) -> None:
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")  # unique: nodes may write at once
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(chunks)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _short_hash(obj: Any) -> str:

