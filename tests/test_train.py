@@ -222,15 +222,20 @@ def writing_checkpoint(run_dir: Path) -> bool:
     return root.is_dir() and any(name.endswith(".partial") for name in os.listdir(root))
 
 
-def kill_when(proc: subprocess.Popen, ready, *, whole_tree: bool, delay_s: float = 0.0) -> list[psutil.Process]:
+def kill_when(proc: subprocess.Popen, ready, *, whole_tree: bool, delay_s: float = 0.0,
+              stop_only: bool = False) -> list[psutil.Process]:
     """SIGKILL the run (its whole tree, or the launcher alone) `delay_s` after `ready()`; returns
-    the processes below the launcher at that moment (the ranks and their data workers)."""
+    the processes below the launcher at that moment (the ranks and their data workers).
+    `stop_only`: SIGSTOP rank 1 instead (a hung peer) and leave the run going."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(delay_s)
     assert proc.poll() is None, "the run ended before the moment to kill it"
     below = psutil.Process(proc.pid).children(recursive=True)
+    if stop_only:
+        next(p for p in below if p.environ().get("RANK") == "1").suspend()
+        return below
     if whole_tree:
         kill_tree(proc)
     else:
@@ -282,6 +287,25 @@ def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_
             for key in ("loss", "ce", "tv", "confidence", "tau", "lr"):
                 if key in a[step]:
                     assert a[step][key] == b[step][key], (split, step, key)
+
+
+def test_a_rank_stuck_on_a_hung_peer_fails_after_the_collective_timeout(world, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = torchrun(2, overrides(world, run_dir, **{**DDP_TRAIN, "train.collective_timeout_s": 3,
+                                                     "train.data_workers": 0}))
+    try:
+        kill_when(proc, lambda: max(logged_steps(run_dir), default=0) >= 1, whole_tree=False, stop_only=True)
+        started, seen = time.monotonic(), []
+        for line in proc.stdout:  # rank 0 waits on the stopped rank 1, then gives up
+            seen.append(line)
+            if "waited longer than train.collective_timeout_s=3s" in line:
+                break
+        assert time.monotonic() - started < 60
+        assert "a peer rank died, hung or was stopped" in line, "".join(seen)[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+        proc.communicate()
 
 
 def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
