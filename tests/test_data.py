@@ -352,7 +352,7 @@ def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_q
     args = ["data=mix", f"data.sources=[{sources}]", "data.max_samples=8", "data.eval_fraction=0.25",
             f"regen.server_url={vllm_url}", "regen.max_new_tokens=4", "tokenize.min_loss_tokens=1"]  # fmt: skip
     out = tmp_path / "out"
-    first = run(stage_config(servable_qwen3_dir, out, *args))
+    run(stage_config(servable_qwen3_dir, out, *args))
     (journal,) = out.glob("regen-*.jsonl")
     done = journal.read_text().splitlines()
     assert len(done) == 8

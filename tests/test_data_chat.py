@@ -7,8 +7,8 @@ plain string search in the rendering."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import qwen_tokenizer_files
+
 from extract.data.tokenize import ChatTokenizer
 
 HEADER, END, EMPTY_THINK = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n\n</think>\n\n"
@@ -58,7 +58,7 @@ def test_thinking_on_scores_the_reasoning_as_the_template_renders_it(chats):
                 {"role": "assistant", "content": "No: 91 = 7 x 13.", "reasoning_content": "\n91 / 7 = 13.\n"}]
     in_content = [as_field[0], {"role": "assistant", "content": "<think>\n91 / 7 = 13.\n</think>\n\nNo: 91 = 7 x 13."}]
     for finished in ([True], [False]):
-        text, ids, mask = check(chat, as_field, finished, [0])
+        _, ids, mask = check(chat, as_field, finished, [0])
         assert (ids, mask) == chat.encode(in_content, finished)  # a server without a reasoning parser
         want = "<think>\n91 / 7 = 13.\n</think>\n\nNo: 91 = 7 x 13." + (END if finished[0] else "")
         assert scored_text(chat, ids, mask) == want
@@ -80,7 +80,7 @@ def test_thinking_off_has_no_reasoning(chats):
     messages = [{"role": "user", "content": "Is 91 prime?"},
                 {"role": "assistant", "content": "<think>\n91 / 7 = 13.\n</think>\n\nNo: 91 = 7 x 13."}]
     plain = [messages[0], {"role": "assistant", "content": "No: 91 = 7 x 13."}]
-    text, ids, mask = check(chat, plain, [True], [0])
+    _, ids, mask = check(chat, plain, [True], [0])
     assert chat.encode(messages, [True]) == (ids, mask)  # the reasoning is removed, not rendered
     assert "91 / 7" not in chat.tokenizer.decode(ids)
     assert scored_text(chat, ids, mask) == "No: 91 = 7 x 13." + END

@@ -17,8 +17,9 @@ import os
 import shutil
 import socket
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 

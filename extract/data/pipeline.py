@@ -21,10 +21,10 @@ from dspark.errors import UserError
 from dspark.targets import resolve_target
 from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
-from extract.data.problems import Problems, RowError
-from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, regenerate
 from extract.data.mix import load_and_select
 from extract.data.output import SPLITS, publish
+from extract.data.problems import Problems, RowError
+from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, regenerate
 from extract.data.sources import Conversation
 from extract.data.split import eval_fingerprints, prompt_fingerprint
 from extract.data.tokenize import ChatTokenizer
