@@ -184,8 +184,8 @@ class StoreWriter(ShardStore):
             if key == "hidden":
                 codec = FP8_HIDDEN_CODEC if self.fp8 else HIDDEN_CODEC
                 chunk, dims = HIDDEN_CHUNK_TOKENS, ("token", "layer", "hidden")
-            elif key == "hidden_scale":
-                chunk, codec, dims = TOKEN_CHUNK_TOKENS, SMALL_CODEC, ("token", "layer")
+            elif key == "hidden_scale":  # chunked like hidden: a sample's read decodes only its own rows
+                chunk, codec, dims = HIDDEN_CHUNK_TOKENS, SMALL_CODEC, ("token", "layer")
             elif key in ("token_ids", "loss_mask"):
                 chunk, codec, dims = TOKEN_CHUNK_TOKENS, SMALL_CODEC, ("token",)
             else:
