@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup demo data extract train eval serve test bench ablate verify clean
+.PHONY: setup demo data plan extract train eval serve test bench ablate verify clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,10 @@ demo: setup
 
 data: setup
 	$(BIN)/python -m extract.data $(SCALE) $(ARGS)
+
+# What `make extract` will take (tokens, store bytes, free space, wall time), from a short probe.
+plan: setup
+	$(BIN)/python -m extract.plan $(SCALE) $(ARGS)
 
 extract: setup
 	$(BIN)/python -m extract $(SCALE) $(ARGS)

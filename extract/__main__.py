@@ -8,11 +8,14 @@ from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
 from extract.config import ExtractConfig, ServerConfig
 from extract.pipeline import run_extraction
+from extract.plan import before_extraction
 from extract.scale import scale_config
 
 
 def run(cfg: DictConfig) -> dict:
-    """Run the stage for a composed `extract` config; returns the summary."""
+    """Run the stage for a composed `extract` config; returns the summary ({} for a dry run)."""
+    if before_extraction(cfg):
+        return {}
     return run_extraction(
         load_section(TargetConfig, cfg, "target"),
         load_section(ExtractConfig, cfg, "extract"),

@@ -6,8 +6,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dspark.config import Checked
+from dspark.store import BF16, FP8
 
 CONNECTORS = ("auto", "cpu", "stock")
+STORE_DTYPES = {"bf16": BF16, "fp8": FP8}
+"""`extract.store_dtype` -> the store's `target.dtype`."""
 
 
 @dataclass
@@ -62,11 +65,18 @@ class ExtractConfig(Checked):
     """Restarts allowed per server before the run fails."""
     deterministic: bool
     """One sample per engine step, no chunked prefill or prefix cache: reruns give bit-identical states."""
+    store_dtype: str
+    """How hidden states are stored: `bf16` (lossless) or `fp8` (e4m3 + a scale per token and layer)."""
+    dry_run: bool
+    """Print the plan (tokens, store bytes, free space, wall time; see extract.plan) and stop."""
+    space_check: bool
+    """Refuse to start when the stores' estimated bytes exceed the free space (false: start anyway)."""
 
     def __post_init__(self):
         self.at_least(1, "concurrency", "shard_samples", "shard_tokens")
         self.positive("request_timeout_s")
         self.at_least(0, "max_restarts")
         self.one_of("connector", CONNECTORS)
+        self.one_of("store_dtype", tuple(STORE_DTYPES))
         if not self.splits:
             self.refuse("splits", "is empty: nothing to extract")

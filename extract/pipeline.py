@@ -49,7 +49,7 @@ from extract.client import (
     extract_rows,
     private_staging_dir,
 )
-from extract.config import ExtractConfig, ServerConfig
+from extract.config import STORE_DTYPES, ExtractConfig, ServerConfig
 from extract.dataset import Split, check_tokenizer, read_split
 from extract.scale import ScaleConfig, server_envs, tp_args
 from extract.server import ServerError, VLLMServer, log_tail
@@ -293,7 +293,8 @@ def open_split_store(store_url: str, verifier: Target, split: Split, ex: Extract
     Both are part of the store's identity: a rerun with another server kind or mode is
     refused instead of mixing states of both into one store.
     """
-    return ShardStore.create_or_open(store_url, verifier.store_attrs(), verifier.tokenizer_sha256,
+    return ShardStore.create_or_open(store_url, verifier.store_attrs(STORE_DTYPES[ex.store_dtype]),
+                                     verifier.tokenizer_sha256,
                                      extra_attrs={"split": split.name, "data_sha256": split.sha256,
                                                   "states_server": EXTERNAL if ex.server_url else MANAGED,
                                                   "deterministic": ex.deterministic})
