@@ -69,7 +69,8 @@ def test_stage_on_the_corpus_exits_0_and_summary_names_every_bad_line(tiny_qwen3
     dropped = summary["dropped"]["source"]
     for line, reason in BAD.items():
         assert any(e.startswith(f"bad_rows.jsonl line {line}:") for e in dropped[reason]["examples"]), (line, reason)
-    assert sum(p["count"] for p in dropped.values()) == len(BAD)
+    named = {int(w.split()[-1]): r for r, p in dropped.items() for w in p["locations"]}
+    assert named == BAD and sum(p["count"] for p in dropped.values()) == len(BAD)
     assert summary["dropped"]["samples"]["no assistant reply"]["examples"][0].startswith("sample 31:")
     assert sorted(r["sample_id"] for r in read_rows(out)) == [1, 2, 25, 26, 29, 32]
 
@@ -84,9 +85,9 @@ def test_lone_surrogate_costs_its_row_only(tiny_qwen3_dir, tmp_path):
     path.write_text("\n".join(lines) + "\n")
     summary = run(stage_config(tiny_qwen3_dir, tmp_path / "out", "data=jsonl", f"data.path={path}",
                                "regen.enabled=false", "tokenize.min_loss_tokens=1", "data.eval_fraction=0.25"))
-    assert summary["dropped"]["source"] == {
-        "invalid Unicode": {"count": 1, "examples": ["p.jsonl line 2: message 0: lone surrogate '\\ud800' at char 1"]}
-    }
+    assert summary["dropped"]["source"] == {"invalid Unicode": {
+        "count": 1, "examples": ["p.jsonl line 2: message 0: lone surrogate '\\ud800' at char 1"],
+        "locations": ["p.jsonl line 2"]}}
     assert sorted(r["sample_id"] for r in read_rows(tmp_path / "out")) == [1, 3, 4, 5]
 
 
@@ -105,3 +106,11 @@ def test_a_file_of_bad_rows_only_is_a_user_error(tiny_qwen3_dir, tmp_path):
     cfg = stage_config(tiny_qwen3_dir, tmp_path / "out", "data=jsonl", f"data.path={path}", "regen.enabled=false")
     with pytest.raises(UserError, match="no usable conversation among 3 rows"):
         run(cfg)
+
+
+def test_every_bad_row_is_named_past_the_examples(tmp_path):
+    path = tmp_path / "many.jsonl"
+    path.write_text("{broken\n" * 25 + '{"messages": [{"role": "user", "content": "ok?"}]}\n')
+    problems = load_source(jsonl(path)).problems.to_dict()["invalid JSON"]
+    assert problems["count"] == 25 and len(problems["examples"]) == 20
+    assert problems["locations"] == [f"many.jsonl line {n}" for n in range(1, 26)]

@@ -131,7 +131,7 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
         if len(ids) > max_length:
             ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1
         if sum(mask) < min_loss_tokens:
-            dropped.add("too few loss tokens", f"{where}: {sum(mask)} < {min_loss_tokens}")
+            dropped.add("too few loss tokens", where, f"{sum(mask)} < {min_loss_tokens}")
             continue
         context_turns += unscored
         split = "eval" if fingerprints[conv.sample_id] in held_out else "train"

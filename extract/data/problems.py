@@ -11,7 +11,7 @@ from collections import defaultdict
 
 from dspark.errors import UserError
 
-EXAMPLES_KEPT = 20  # locations listed per reason; the count is always complete
+EXAMPLES_KEPT = 20  # locations listed with their detail per reason; every location is listed without it
 
 
 class RowError(UserError):
@@ -24,19 +24,21 @@ class RowError(UserError):
 
 
 class Problems:
-    """Tally of skipped rows: reason -> count and the first few locations."""
+    """Tally of skipped rows: reason -> count, every location, and the first few with their detail."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = defaultdict(int)
         self._examples: dict[str, list[str]] = defaultdict(list)
+        self._locations: dict[str, list[str]] = defaultdict(list)
 
-    def add(self, reason: str, where: str) -> None:
+    def add(self, reason: str, where: str, detail: str | None = None) -> None:
         self._counts[reason] += 1
+        self._locations[reason].append(where)
         if len(self._examples[reason]) < EXAMPLES_KEPT:
-            self._examples[reason].append(where)
+            self._examples[reason].append(f"{where}: {detail}" if detail else where)
 
     def add_error(self, err: RowError, where: str) -> None:
-        self.add(err.reason, f"{where}: {err.detail}" if err.detail else where)
+        self.add(err.reason, where, err.detail)
 
     def merge(self, other: Problems) -> None:
         """Add another tally's counts and examples to this one."""
@@ -44,6 +46,7 @@ class Problems:
             self._counts[reason] += count
             room = EXAMPLES_KEPT - len(self._examples[reason])
             self._examples[reason].extend(other._examples[reason][:room])
+            self._locations[reason].extend(other._locations[reason])
 
     def __bool__(self) -> bool:
         return bool(self._counts)
@@ -56,7 +59,8 @@ class Problems:
         return dict(sorted(self._counts.items()))
 
     def to_dict(self) -> dict[str, dict]:
-        return {r: {"count": c, "examples": self._examples[r]} for r, c in sorted(self._counts.items())}
+        return {r: {"count": c, "examples": self._examples[r], "locations": self._locations[r]}
+                for r, c in sorted(self._counts.items())}  # fmt: skip
 
     def report(self, title: str) -> str:
         lines = [f"{title}: {self.total} skipped"]
