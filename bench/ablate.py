@@ -18,7 +18,7 @@ the seed term is training noise (it shrinks with seeds), the anchor term is held
 sampling noise (every seed is scored on the same blocks, so it does not shrink). Wall
 times have the seed term only.
 
-Usage: python -m bench.ablate [config=bench/ablate.yaml] [out=bench/results] [only=a,b]
+Usage: python -m bench.ablate [config=bench/ablate.yaml] [out=bench/results] [only=a,b] [seeds=0,1] [budgets=1,4]
 Finished runs (their `ablate.npz`) are reused; an interrupted one resumes from its checkpoint.
 """
 
@@ -159,7 +159,9 @@ def launcher(command: list[str]) -> list[str]:
 def run_overrides(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) -> list[str]:
     """Overrides of one training run (the variant's own last, so a variant may change anything)."""
     return [*cfg["common"], f"train.seed={seed}", f"train.max_steps={cfg['steps'] * budget}",
-            f"train.run_dir={run_dir}", "train.export=true", "train.log_every=1", "train.resume=auto",
+            f"train.run_dir={run_dir}", "train.export=true", "train.log_every=1",
+            # continue an interrupted run from its checkpoint; one killed before any starts over
+            f"train.resume={'auto' if any(run_dir.glob('checkpoints/*')) else 'restart'}",
             *cfg["variants"][variant]]
 
 
@@ -290,10 +292,14 @@ def main(argv: list[str]) -> int:
     args = {}
     for item in argv:
         key, sep, value = item.partition("=")
-        if not sep or key not in {"config", "out", "only"}:
-            raise SystemExit(f"unknown argument {item!r}; expected config=FILE, out=DIR or only=a,b")
+        if not sep or key not in {"config", "out", "only", "seeds", "budgets"}:
+            raise SystemExit(f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1 "
+                             "or budgets=1,4")
         args[key] = value
     cfg = load_config(Path(args.get("config", DEFAULT_CONFIG)))
+    for key in ("seeds", "budgets"):
+        if key in args:
+            cfg[key] = [int(v) for v in args[key].split(",")]
     result = run_ablation(cfg, Path(args.get("out", "bench/results")), args["only"].split(",") if "only" in args else None)
     for row in result["table"]:
         gain = row.get("gain", {"mean": float("nan"), "se": float("nan")})

@@ -87,6 +87,8 @@ class TrainConfig(Checked):
     """Write train metrics to TensorBoard / metrics.jsonl every this many steps."""
     export: bool
     """Export the final drafter in speculators format to `run_dir/drafter`."""
+    ema_decay: float | None
+    """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
 
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ class TrainConfig(Checked):
             self.refuse("min_lr_ratio", "must be in [0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            self.refuse("ema_decay", "must be null or in (0, 1)")
 
 
 __all__ = ["MIXED_PRECISION", "RESUME_MODES", "TrainConfig"]

@@ -35,6 +35,7 @@ from dspark.errors import UserError
 from train.checkpoint import CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
 from train.config import TrainConfig
 from train.data import Batch, StepDataset, StoreSplit, TimedLoader
+from train.ema import WeightAverage
 from train.reporting import Reporter
 from train.sampler import StepPlanner, share_of_rank
 
@@ -99,6 +100,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
+        self.ema = None if cfg.ema_decay is None else WeightAverage(self.params, self.optimizer, cfg.ema_decay)
         warmup = max(1, math.ceil(cfg.warmup_ratio * self.total_steps)) if cfg.warmup_ratio > 0 else 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -145,6 +147,10 @@ class Trainer:
         """Write the deployable model (rank 0 only)."""
 
     # ----- helpers for subclasses -----
+    def averaged(self):
+        """Context with the weight average swapped in (`train.ema_decay`); a no-op without one."""
+        return nullcontext() if self.ema is None else self.ema.applied()
+
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
@@ -207,7 +213,8 @@ class Trainer:
                 self.state.step_in_epoch = 0
         self.evaluate_and_save(final=True)
         if cfg.export and acc.is_main_process:
-            self.export(self.run_dir / "drafter", self.state.last_eval)
+            with self.averaged():
+                self.export(self.run_dir / "drafter", self.state.last_eval)
             self.reporter.message(f"drafter exported to {self.run_dir / 'drafter'}")
         acc.wait_for_everyone()
         self.reporter.close()
@@ -249,6 +256,8 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if norm > 0:  # a step with nothing to score (every rank empty) leaves the weights alone
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.state.step + 1)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = self.summarize(self.reduce_sum(sums))
@@ -268,7 +277,7 @@ class Trainer:
         mine = share_of_rank(planner, planner.micro_batches(range(n)), acc.process_index, acc.num_processes)
         loader = self.loader(self.eval_split, [[b] for b in mine], epoch=0, train=False)
         self.raw_model.eval()
-        with torch.no_grad(), acc.autocast():
+        with torch.no_grad(), acc.autocast(), self.averaged():
             metrics = self.evaluate(self.to_device(b) for step in loader for b in step)
         self.raw_model.train()
         self.reporter.eval(self.state.step, metrics)
