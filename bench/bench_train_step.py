@@ -17,13 +17,14 @@ Rows:
 
 Steps of the two alternate, so machine noise (a shared machine) hits both; the ratio is
 taken per round (speculators' step time / this trainer's) and reported as the median with
-its min and max. Shares of step time come from one profiled step of each (torch.profiler,
+its min and max, in wall time and in CPU time (less disturbed by other processes). Shares of step time come from one profiled step of each (torch.profiler,
 self time of every op): (a) backbone = everything not below, (b) vocabulary-sized loss =
 every op with a vocabulary-sized operand (both lm_heads, Markov W2, softmaxes, their
 backward), (c) optimizer = the AdamW step. FLOP fraction: analytic forward+backward FLOPs
 of the useful work (backbone on the conversations' tokens, both lm_heads and Markov W2 on
 the scored slots) over the median step time, against the best matmul FLOP/s measured in
-the same run.
+the same run (measured before every round; the fastest counts). `adamw_step_s`: one AdamW
+step over this trainer's parameters as `train` configures it (default) and with `fused=True`.
 
 Run: python -m bench.bench_train_step   (or python -m bench only=train_step)
 """
@@ -43,6 +44,7 @@ import torch
 
 from bench import write_figures
 
+REPO = Path(__file__).resolve().parents[1]
 THREADS, ROUNDS, BLOCK, DRAFT_LAYERS, MARKOV_RANK = 2, 5, 4, 5, 256
 LOSS = {"ce": 0.1, "tv": 0.9}
 
@@ -107,25 +109,21 @@ def conversations(shape: Shape, g: torch.Generator):
 
 
 def matmul_flops_per_s(shape: Shape) -> float:
-    """Best float32 matmul FLOP/s over this step's dominant GEMM shapes (median of 3 runs each)."""
+    """float32 matmul FLOP/s at this step's dominant GEMM shapes (the faster of the two)."""
     best = 0.0
     for m, k, n in ((256, shape.hidden, shape.vocab), (2048, shape.hidden, shape.ffn)):
         a, b = torch.randn(m, k), torch.randn(k, n)
+        start = time.perf_counter()
         a @ b
-        runs = []
-        for _ in range(3):
-            start = time.perf_counter()
-            a @ b
-            runs.append(time.perf_counter() - start)
-        best = max(best, 2 * m * k * n / statistics.median(runs))
+        best = max(best, 2 * m * k * n / (time.perf_counter() - start))
     return best
 
 
-def step_flops(shape: Shape, slots: int) -> float:
+def step_flops(shape: Shape, blocks: int, slots: int) -> float:
     """Forward+backward FLOPs of the useful work: backbone on the real tokens, heads on the scored slots."""
     tokens, h, d = sum(shape.lengths), shape.hidden, shape.hidden // shape.heads
     kv = shape.kv_heads * d
-    q_slots = shape.anchors * BLOCK
+    q_slots = blocks * BLOCK
     fc = 2 * tokens * 3 * h * h
     per_layer = (2 * (tokens + q_slots) * h * 2 * kv  # k/v projections of context and block
                  + 2 * q_slots * h * (2 * shape.heads * d + 3 * shape.ffn)  # q, o, MLP of the block slots
@@ -157,14 +155,22 @@ def classify(prof, vocab: int) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in parts.items()}
 
 
+def from_conf(cls, path: str, **overrides):
+    """A config schema from its file under conf/ (the defaults' one source) with `overrides`."""
+    from omegaconf import OmegaConf
+
+    from dspark.config import to_dataclass
+
+    return to_dataclass(cls, OmegaConf.merge(OmegaConf.load(REPO / "conf" / path), overrides))
+
+
 def build(shape: Shape, work: Path):
     """Both models on the same weights, and one step function for each."""
     from speculators.config import SpeculatorModelConfig
     from speculators.models.dspark import DSparkDraftModel
     from transformers import AutoConfig
 
-    from bench.bench_train import draft_config
-    from dspark.config import LossConfig
+    from dspark.config import DraftConfig, LossConfig
     from dspark.export import export_drafter
     from dspark.model import DSparkDraft
     from dspark.verifier import VerifierHead
@@ -175,7 +181,10 @@ def build(shape: Shape, work: Path):
     verifier = VerifierHead.from_pretrained(verifier_dir)
     torch.manual_seed(0)
     mask_token = shape.vocab - 1
-    ours = DSparkDraft(draft_config(), AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], mask_token)
+    draft_cfg = from_conf(DraftConfig, "model/dspark.yaml", num_layers=DRAFT_LAYERS, block_size=BLOCK,
+                          draft_vocab_size=None, markov_rank=MARKOV_RANK, markov_type="vanilla", confidence_head=True,
+                          confidence_head_with_markov=True, attn_impl="sdpa")
+    ours = DSparkDraft(draft_cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], mask_token)
     ours.load_verifier(verifier)
     config = SpeculatorModelConfig.from_pretrained(export_drafter(ours, work / "drafter", str(verifier_dir)))
     config.transformer_layer_config._attn_implementation = "sdpa"
@@ -184,15 +193,13 @@ def build(shape: Shape, work: Path):
                                                 max_anchors=shape.anchors, dflash_decay_gamma=4.0)
     g = torch.Generator().manual_seed(0)
     samples = conversations(shape, g)
-    total = sum(shape.lengths)
-    # Anchors per conversation in proportion to its length (they add up to shape.anchors).
-    per_sample = max(1, round(shape.anchors * min(shape.lengths) / total))
-    loss_cfg = LossConfig(weights=LOSS, ce_target="data", confidence_weight=1.0, gamma=4.0,
-                          num_anchors=per_sample, chunk_size=1024)
+    per_sample = shape.anchors // len(shape.lengths)  # the trainer's num_anchors is per conversation
+    loss_cfg = from_conf(LossConfig, "loss/default.yaml", weights=LOSS, ce_target="data", confidence_weight=1.0,
+                         gamma=4.0, num_anchors=per_sample, anchor_sampling="uniform")
     trainer = SimpleNamespace(loss_cfg=loss_cfg, cfg=SimpleNamespace(seed=0), block_size=BLOCK, raw_model=ours,
                               verifier=verifier)
     trainer.prepare_batch = lambda batch, **kw: DSparkTrainer.prepare_batch(trainer, batch, **kw)
-    batch = collate(samples, max_tokens=total)
+    batch = collate(samples, [0] * len(samples))
     batch = DSparkTrainer.prepare_batch(trainer, batch, epoch=0, train=True)
     batch["context"], batch["target_hidden"] = batch["context"].float(), batch["target_hidden"].float()
 
@@ -221,41 +228,67 @@ def build(shape: Shape, work: Path):
         opt_theirs.step()
         opt_theirs.zero_grad(set_to_none=True)
 
+    def optimizer_steps() -> dict[str, float]:
+        """Seconds of one AdamW step over this trainer's parameters: as configured, and fused."""
+        params = [p for p in ours.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        out = {}
+        for name, kwargs in (("default", {}), ("fused", {"fused": True})):
+            opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
+            opt.step()  # creates the state
+            start = time.perf_counter()
+            opt.step()
+            out[name] = time.perf_counter() - start
+        for p in params:
+            p.grad = None
+        return out
+
+    blocks = int(batch["anchor_valid"].sum())
     slots = int(batch["slot_mask"].sum())
-    return {"ours": our_step, "speculators": their_step}, slots
+    return {"ours": our_step, "speculators": their_step}, blocks, slots, optimizer_steps
 
 
 def measure(shape: Shape, work: Path) -> dict:
-    steps, slots = build(shape, work)
+    steps, blocks, slots, optimizer_steps = build(shape, work)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    matmul = []
     for round_ in range(ROUNDS + 1):
+        matmul.append(matmul_flops_per_s(shape))
         for name, step in steps.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             if round_:  # the first round warms up allocators and caches
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
     ratios = [t / o for o, t in zip(times["ours"], times["speculators"], strict=True)]
+    cpu_ratios = [t / o for o, t in zip(cpu["ours"], cpu["speculators"], strict=True)]
     shares = {}
     for name, step in steps.items():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
         shares[name] = classify(prof, shape.vocab)
-    matmul = matmul_flops_per_s(shape)
-    flops = step_flops(shape, slots)
+    matmul = max(matmul)  # the least disturbed measurement is the machine's limit
+    flops = step_flops(shape, blocks, slots)
+    optimizer = optimizer_steps()
     median = {k: statistics.median(v) for k, v in times.items()}
     tokens = sum(shape.lengths)
     return {
-        "setting": {"conversation_tokens": list(shape.lengths), "anchors": shape.anchors, "scored_slots": slots,
+        "setting": {"conversation_tokens": list(shape.lengths), "anchors": blocks, "scored_slots": slots,
                     "hidden": shape.hidden, "heads": [shape.heads, shape.kv_heads], "ffn": shape.ffn,
                     "vocab": shape.vocab},
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
         "step_s_median": {k: round(v, 4) for k, v in median.items()},
         "throughput_ratio": round(statistics.median(ratios), 3),
         "throughput_ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "cpu_time_ratio": round(statistics.median(cpu_ratios), 3),
+        "cpu_time_ratio_min_max": [round(min(cpu_ratios), 3), round(max(cpu_ratios), 3)],
         "time_shares": shares,
         "step_gflop": round(flops / 1e9, 1),
         "matmul_gflop_per_s": round(matmul / 1e9, 1),
         "flop_limit_fraction": {k: round(flops / v / matmul, 3) for k, v in median.items()},
+        "adamw_step_s": {k: round(v, 3) for k, v in optimizer.items()},
     }
 
 
@@ -269,7 +302,8 @@ def main(out_dir: Path) -> dict:
               f"{row['tokens_per_s']['speculators']} -> ratio {row['throughput_ratio']} "
               f"(min {row['throughput_ratio_min_max'][0]}, max {row['throughput_ratio_min_max'][1]}); "
               f"FLOP-limit fraction ours {row['flop_limit_fraction']['ours']}, speculators "
-              f"{row['flop_limit_fraction']['speculators']}; shares {row['time_shares']}", flush=True)
+              f"{row['flop_limit_fraction']['speculators']}; shares {row['time_shares']}; AdamW step "
+              f"{row['adamw_step_s']}", flush=True)
     figures = {
         "setting": {"draft_layers": DRAFT_LAYERS, "block": BLOCK, "markov_rank": MARKOV_RANK, "loss": LOSS,
                     "confidence_head": True, "draft_vocab": "full", "dtype": "float32", "device": "cpu",
