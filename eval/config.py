@@ -109,8 +109,6 @@ class OnlineConfig(Checked):
         self.at_least(1, "num_prompts", "max_tokens")
         self.at_least(0, "warmup_requests")
         self.at_least(1, "max_model_len", nullable=True)
-        if self.max_model_len is not None and self.max_model_len <= self.max_tokens:
-            self.refuse("max_model_len", f"must exceed eval.online.max_tokens ({self.max_tokens})")
         if self.dtype is not None:
             self.one_of("dtype", DTYPES)
         if self.num_speculative_tokens is not None and (

@@ -65,7 +65,7 @@ def test_shipped_configs_pass_their_checks(overrides):
     ("extract", "server.ready_timeout_s=0", "server", "server.ready_timeout_s must be > 0"),
     ("eval", "eval.offline.anchors_per_forward=0", "eval", "eval.offline.anchors_per_forward must be >= 1"),
     ("eval", "eval.calibration.fit_fraction=1", "eval", "eval.calibration.fit_fraction must be in (0, 1)"),
-    ("eval", "eval.online.max_tokens=4096", "eval", "eval.online.max_model_len must exceed"),
+    ("eval", "eval.online.dtype=fp64", "eval", "eval.online.dtype must be one of"),
     ("serve", "serve.num_speculative_tokens=0", "serve", "serve.num_speculative_tokens must be null or >= 1"),
     ("prune", "prune.min_count=0", "prune", "prune.min_count must be >= 1"),
 ])
