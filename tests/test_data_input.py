@@ -114,3 +114,13 @@ def test_every_bad_row_is_named_past_the_examples(tmp_path):
     problems = load_source(jsonl(path)).problems.to_dict()["invalid JSON"]
     assert problems["count"] == 25 and len(problems["examples"]) == 20
     assert problems["locations"] == [f"many.jsonl line {n}" for n in range(1, 26)]
+
+
+def test_hf_source_reads_one_data_file(tmp_path):
+    """A hub repo's single file (here a local ShareGPT-style JSON array) goes through `datasets`' json builder."""
+    path = tmp_path / "ShareGPT_part.json"
+    path.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "Hi?"}]},
+                                {"id": "b", "conversations": [{"from": "robot", "value": "x"}]}]))  # fmt: skip
+    data = load_source(SourceConfig("hf", str(path), None, "train", None, 0, None, 0.0))
+    assert [c.messages for c in data.conversations] == [[{"role": "user", "content": "Hi?"}]]
+    assert data.problems.to_dict()["unknown role"]["locations"] == [f"{path} row 1"]

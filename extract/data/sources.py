@@ -31,6 +31,7 @@ ROLE_ALIASES = {
 }  # fmt: skip
 # ShareGPT-style tool-call turns (`{"from": "function_call", "value": "{\"name\": ..., \"arguments\": ...}"}`).
 TOOL_CALL_ROLES = ("function_call", "tool_call")
+FILE_BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}  # hf: data.path is one file
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
@@ -268,8 +269,13 @@ def _mtbench_rows() -> Iterator[Row]:
 def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
     from datasets import load_dataset
 
+    # One data file (a local path or a URL, e.g. a hub repo's `resolve/main/<file>.json`), or a dataset id/dir.
+    builder = FILE_BUILDERS.get(path.rsplit(".", 1)[-1].lower())
     try:
-        dataset = load_dataset(path, name, split=split)
+        if builder:
+            dataset = load_dataset(builder, data_files={split: path}, split=split)
+        else:
+            dataset = load_dataset(path, name, split=split)
     except Exception as err:  # unknown id, offline without a cache, bad split: all end here
         raise UserError(
             f"data.path={path!r} (name={name}, split={split}): cannot load the dataset: {err}"
