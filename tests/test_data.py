@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from conftest import make_tiny_qwen3
 from extract.data.__main__ import run
 from extract.data.config import SourceConfig
+from extract.data.pipeline import _cut_turns
 from extract.data.regenerate import Journal
 from extract.data.sources import load_source, select
 from extract.data.split import eval_fingerprints, prompt_fingerprint
@@ -188,6 +189,20 @@ def test_stage_without_regeneration_reports_every_drop(tiny_qwen3_dir, tmp_path)
     # 4 of the 14 distinct selected prompts (ceil(0.25 * 14)) are held out, some of them dropped later
     assert 1 <= summary["splits"]["eval"]["samples"] == sum(r["split"] == "eval" for r in rows) <= 4
     assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_reply_length_defaults_real_runs_long_and_the_demo_short(tmp_path):
+    def max_new_tokens(*overrides):
+        with initialize_config_dir(str(REPO / "conf"), version_base=None):
+            return compose("data", overrides=list(overrides)).regen.max_new_tokens
+
+    assert max_new_tokens() == 128  # `make demo` runs the stage on its defaults: the embedded set, sized for CPU
+    assert max_new_tokens("data=jsonl", "data.path=x") == max_new_tokens("data=mix") == 2048
+    assert max_new_tokens("+experiment=qwen3-0.6b") == 2048
+    entries = [{"finished": [True, False, False], "max_tokens": [2048, 2048, 700]},
+               {"finished": [True, False], "max_tokens": [None, 2048]}, {"finished": [False]}]  # an older journal
+    assert _cut_turns(entries, 2048) == {"turns_cut_by_max_new_tokens": 3, "turns_cut_by_context": 1,
+                                         "tool_call_turns_kept": 1}  # fmt: skip
 
 
 # ---------------------------------------------------------------- chat template and loss mask
