@@ -206,7 +206,7 @@ def to_dataclass(cls: type[T_cfg], cfg: DictConfig | dict, section: str | None =
 def _missing_keys(cfg: DictConfig) -> list[str]:
     """Keys left `???`, without resolving interpolations (one may point at a missing key)."""
     missing = []
-    for key in cfg.keys():
+    for key in cfg:
         if OmegaConf.is_missing(cfg, key):
             missing.append(str(key))
         elif not OmegaConf.is_interpolation(cfg, key) and isinstance(cfg[key], DictConfig):
@@ -229,6 +229,6 @@ def load_section(cls: type[T_cfg], cfg: DictConfig, name: str) -> T_cfg:
 
 
 __all__ = [
-    "ATTN_IMPLS", "CE_TARGETS", "Checked", "DISTRIBUTION_TERMS", "DTYPES", "DraftConfig", "LossConfig",
-    "MARKOV_TYPES", "TargetConfig", "default_target_name", "load_section", "to_dataclass",
+    "ATTN_IMPLS", "CE_TARGETS", "DISTRIBUTION_TERMS", "DTYPES", "MARKOV_TYPES", "Checked", "DraftConfig",
+    "LossConfig", "TargetConfig", "default_target_name", "load_section", "to_dataclass",
 ]

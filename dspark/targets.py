@@ -26,12 +26,13 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
@@ -258,8 +259,8 @@ class Target:
         return {field: getattr(self.config, field) for field in DERIVED_FIELDS} | {"derived": dict(self.chosen)}
 
     def describe(self) -> str:
-        lines = [f"target {self.config.name} = {self.name_or_path} ({self.model_dir}): {self.num_hidden_layers} "
-                 f"layers, hidden {self.hidden_size}, vocabulary {self.vocab_size}"]
+        lines = [(f"target {self.config.name} = {self.name_or_path} ({self.model_dir}): {self.num_hidden_layers} "
+                  f"layers, hidden {self.hidden_size}, vocabulary {self.vocab_size}")]
         lines += [f"  {field} = {getattr(self.config, field)!r} ({self.chosen[field]})" for field in DERIVED_FIELDS]
         return "\n".join(lines)
 
@@ -287,8 +288,7 @@ def resolve_target(cfg: TargetConfig, recorded: dict | None = None) -> Target:
     """The verifier of `cfg`, each null field filled: from `recorded` (the dataset summary's
     `target`, when made with the same verifier and tokenizer), else derived from the verifier."""
     model_dir = resolve_target_dir(cfg.name_or_path, cfg.revision)
-    raw = _text_config_json(model_dir)
-    source = _Derivation(model_dir, raw)
+    source = _Derivation(model_dir, _text_config_json(model_dir))
     tok_hash = tokenizer_sha256(model_dir)
     same = bool(recorded) and recorded.get("name_or_path") == cfg.name_or_path \
         and recorded.get("tokenizer_sha256") == tok_hash
@@ -393,7 +393,5 @@ def _text_config_json(model_dir: Path) -> dict:
     return {**raw, **text} if isinstance(text, dict) else raw
 
 
-__all__ = [
-    "DERIVED_FIELDS", "Target", "cache_dir", "check_store_name", "dataset_target", "embedded_gguf",
-    "resolve_target", "resolve_target_dir", "tokenizer_sha256",
-]
+__all__ = ["DERIVED_FIELDS", "Target", "cache_dir", "check_store_name", "dataset_target", "embedded_gguf",
+           "resolve_target", "resolve_target_dir", "tokenizer_sha256"]

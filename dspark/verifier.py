@@ -146,8 +146,7 @@ class VerifierHead(nn.Module):
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "VerifierHead":
         model_dir = Path(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
-        config = getattr(config, "text_config", None) or config
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()  # as dspark.targets reads it
         check_model_type(config)
         weight_map = _weight_map(model_dir)
         names = {key: _find(weight_map, key) for key in ("embed_tokens.weight", "norm.weight", "lm_head.weight")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, ClassVar
 
 from dspark.config import DTYPES, Checked
@@ -39,7 +40,7 @@ class OfflineConfig(Checked):
         self.one_of("device", DEVICES)
         for field in ("length_buckets", "position_buckets"):
             edges = getattr(self, field)
-            if not edges or any(a >= b for a, b in zip(edges, edges[1:])):
+            if not edges or any(a >= b for a, b in pairwise(edges)):
                 self.refuse(field, "must be a non-empty ascending list")
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from omegaconf import DictConfig

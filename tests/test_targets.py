@@ -231,9 +231,9 @@ def test_auto_target_derives_the_documented_defaults(smollm2_dir, tiny_qwen3_dir
 
 
 def test_auto_target_errors_name_the_field(tiny_llama_dir, tiny_qwen3_dir, tmp_path):
-    with pytest.raises(UserError, match=r"target\.name_or_path=\.\.\."):
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-            load_section(TargetConfig, compose(config_name="extract", overrides=["target=auto"]), "target")
+    with (pytest.raises(UserError, match=r"target\.name_or_path=\.\.\."),
+          initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None)):
+        load_section(TargetConfig, compose(config_name="extract", overrides=["target=auto"]), "target")
 
     def broken(drop: str | None = None, text: str | None = None) -> Path:
         out = tmp_path / f"broken-{len(list(tmp_path.iterdir()))}"

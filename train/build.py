@@ -33,6 +33,7 @@ from train.data import StoreSplit
 from train.dspark_trainer import DSparkTrainer
 from train.resume import clear_run, resume_point
 
+
 def check_devices(processes_per_node: int, cuda_devices: int) -> None:
     """On a CUDA machine every process needs its own GPU (CPU runs may start any number)."""
     if cuda_devices and processes_per_node > cuda_devices:
