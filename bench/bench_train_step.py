@@ -32,6 +32,7 @@ Run: python -m bench.bench_train_step   (or python -m bench only=train_step)
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -45,6 +46,10 @@ import torch
 from bench import write_figures
 
 REPO = Path(__file__).resolve().parents[1]
+# The GPU check (bench/gpu_check.py) runs this module with cuda, bfloat16 (autocast) and flex.
+DEVICE = os.environ.get("DSPARK_BENCH_DEVICE", "cpu")
+DTYPE = getattr(torch, os.environ.get("DSPARK_BENCH_DTYPE", "float32"))
+ATTN = os.environ.get("DSPARK_BENCH_ATTN", "sdpa")
 THREADS, ROUNDS, BLOCK, DRAFT_LAYERS, MARKOV_RANK = 2, 5, 4, 5, 256
 LOSS = {"ce": 0.1, "tv": 0.9}
 
@@ -108,13 +113,20 @@ def conversations(shape: Shape, g: torch.Generator):
     return samples
 
 
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def matmul_flops_per_s(shape: Shape) -> float:
-    """float32 matmul FLOP/s at this step's dominant GEMM shapes (the faster of the two)."""
+    """Matmul FLOP/s (in DTYPE) at this step's dominant GEMM shapes (the faster of the two)."""
     best = 0.0
     for m, k, n in ((256, shape.hidden, shape.vocab), (2048, shape.hidden, shape.ffn)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, device=DEVICE, dtype=DTYPE), torch.randn(k, n, device=DEVICE, dtype=DTYPE)
+        sync()
         start = time.perf_counter()
         a @ b
+        sync()
         best = max(best, 2 * m * k * n / (time.perf_counter() - start))
     return best
 
@@ -183,13 +195,16 @@ def build(shape: Shape, work: Path):
     mask_token = shape.vocab - 1
     draft_cfg = from_conf(DraftConfig, "model/dspark.yaml", num_layers=DRAFT_LAYERS, block_size=BLOCK,
                           draft_vocab_size=None, markov_rank=MARKOV_RANK, markov_type="vanilla", confidence_head=True,
-                          confidence_head_with_markov=True, attn_impl="sdpa")
+                          confidence_head_with_markov=True, attn_impl=ATTN)
     ours = DSparkDraft(draft_cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], mask_token)
     ours.load_verifier(verifier)
     config = SpeculatorModelConfig.from_pretrained(export_drafter(ours, work / "drafter", str(verifier_dir)))
-    config.transformer_layer_config._attn_implementation = "sdpa"
-    theirs = DSparkDraftModel.from_pretrained(work / "drafter", config=config)
-    train_kwargs, _ = theirs.get_trainer_kwargs(loss_fn=json.dumps(LOSS), loss_implementation="eager",
+    config.transformer_layer_config._attn_implementation = "simple_flex_attention" if ATTN == "flex" else "sdpa"
+    theirs = DSparkDraftModel.from_pretrained(work / "drafter", config=config).to(DEVICE)
+    ours.to(DEVICE)
+    verifier.to(DEVICE)
+    losses = "fused" if DEVICE == "cuda" else "eager"  # speculators' Triton losses need CUDA
+    train_kwargs, _ = theirs.get_trainer_kwargs(loss_fn=json.dumps(LOSS), loss_implementation=losses,
                                                 max_anchors=shape.anchors, dflash_decay_gamma=4.0)
     g = torch.Generator().manual_seed(0)
     samples = conversations(shape, g)
@@ -202,6 +217,7 @@ def build(shape: Shape, work: Path):
     batch = collate(samples, [0] * len(samples))
     batch = DSparkTrainer.prepare_batch(trainer, batch, epoch=0, train=True)
     batch["context"], batch["target_hidden"] = batch["context"].float(), batch["target_hidden"].float()
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
 
     # speculators: the same conversations packed into one row with document ids.
     cat = {k: torch.cat([torch.as_tensor(v) for v in vals]) for k, vals in (
@@ -211,19 +227,25 @@ def build(shape: Shape, work: Path):
     final = torch.cat([batch["target_hidden"][i, :n] for i, n in enumerate(shape.lengths)])
     docs = torch.cat([torch.full((n,), i) for i, n in enumerate(shape.lengths)])
     positions = torch.cat([torch.arange(n) for n in shape.lengths])
-    packed = (hidden[None], cat["ids"][None], cat["mask"][None], final[None], docs[None])
+    packed = tuple(t[None].to(DEVICE) for t in (hidden, cat["ids"], cat["mask"], final, docs))
+    positions = positions.to(DEVICE)
+
+    def autocast():
+        return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
 
     opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-4)
     opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-4)
 
     def our_step() -> None:
-        out = DSparkTrainer.blocks(trainer, ours, batch, batch["norm_weight"])
+        with autocast():
+            out = DSparkTrainer.blocks(trainer, ours, batch, batch["norm_weight"])
         out.loss.backward()
         opt_ours.step()
         opt_ours.zero_grad(set_to_none=True)
 
     def their_step() -> None:
-        _, loss, _ = theirs(*packed, position_ids=positions[None], **train_kwargs)
+        with autocast():
+            _, loss, _ = theirs(*packed, position_ids=positions[None], **train_kwargs)
         loss.backward()
         opt_theirs.step()
         opt_theirs.zero_grad(set_to_none=True)
@@ -237,8 +259,10 @@ def build(shape: Shape, work: Path):
         for name, kwargs in (("default", {}), ("fused", {"fused": True})):
             opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
             opt.step()  # creates the state
+            sync()
             start = time.perf_counter()
             opt.step()
+            sync()
             out[name] = time.perf_counter() - start
         for p in params:
             p.grad = None
@@ -257,15 +281,17 @@ def measure(shape: Shape, work: Path) -> dict:
     for round_ in range(ROUNDS + 1):
         matmul.append(matmul_flops_per_s(shape))
         for name, step in steps.items():
+            sync()
             start, start_cpu = time.perf_counter(), time.process_time()
             step()
+            sync()
             if round_:  # the first round warms up allocators and caches
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
     ratios = [t / o for o, t in zip(times["ours"], times["speculators"], strict=True)]
     cpu_ratios = [t / o for o, t in zip(cpu["ours"], cpu["speculators"], strict=True)]
-    shares = {}
-    for name, step in steps.items():
+    shares = {}  # by CPU self time: on CUDA they would measure kernel launches, not kernels
+    for name, step in steps.items() if DEVICE == "cpu" else ():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
         shares[name] = classify(prof, shape.vocab)
@@ -293,7 +319,8 @@ def measure(shape: Shape, work: Path) -> dict:
 
 
 def main(out_dir: Path) -> dict:
-    torch.set_num_threads(THREADS)
+    if DEVICE == "cpu":
+        torch.set_num_threads(THREADS)
     rows = {}
     for shape in SHAPES:
         with tempfile.TemporaryDirectory() as tmp:
@@ -306,8 +333,9 @@ def main(out_dir: Path) -> dict:
               f"{row['adamw_step_s']}", flush=True)
     figures = {
         "setting": {"draft_layers": DRAFT_LAYERS, "block": BLOCK, "markov_rank": MARKOV_RANK, "loss": LOSS,
-                    "confidence_head": True, "draft_vocab": "full", "dtype": "float32", "device": "cpu",
-                    "threads": THREADS, "attention": "sdpa", "speculators_losses": "eager", "rounds": ROUNDS},
+                    "confidence_head": True, "draft_vocab": "full", "dtype": str(DTYPE).removeprefix("torch."),
+                    "device": DEVICE, "threads": THREADS if DEVICE == "cpu" else None, "attention": ATTN,
+                    "speculators_losses": "fused" if DEVICE == "cuda" else "eager", "rounds": ROUNDS},
         "rows": rows,
     }
     return write_figures(out_dir, "train_step", figures)
