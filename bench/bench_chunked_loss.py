@@ -5,8 +5,10 @@ Setting: verifier vocabulary 151,936, 512 anchors x block 4 = 2,048 slots, hidde
 backward. The heads are stand-ins with the draft's shapes: frozen lm_head shared with the
 verifier, Markov bias (rank 256, trainable) and a confidence head.
 
-"unchunked" is `dspark_loss` with one chunk holding every slot (plain autograd, the
-straightforward implementation); "chunked" uses 256 slots per chunk (checkpointed).
+"unchunked" is `dspark_loss` with one chunk holding every slot; "chunked" uses 256 slots per
+chunk, each keeping its [chunk, B, V] gradient for backward (the default while they fit the
+memory budget); "recomputed" uses 256 slots per chunk with a zero budget (every chunk but the
+first checkpointed: backward reruns both vocabulary projections).
 
 How memory is measured: every variant runs in a fresh subprocess, which builds its
 inputs, resets the kernel's peak-RSS counter (`/proc/self/clear_refs` = 5), runs the loss,
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from bench import write_figures
 
 VOCAB = 151_936
@@ -41,11 +44,12 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def run_variant(chunk_slots: int, threads: int) -> dict:
+def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict:
     """Build inputs, then time the loss (forward + backward) and measure its peak RSS."""
     import torch
     from torch import nn
 
+    from bench.bench_train_step import from_conf
     from dspark.config import LossConfig
     from dspark.losses import dspark_loss
 
@@ -71,8 +75,8 @@ def run_variant(chunk_slots: int, threads: int) -> dict:
     prev = torch.randint(0, VOCAB, (ANCHORS, BLOCK))
     labels = torch.randint(0, VOCAB, (ANCHORS, BLOCK))
     slot_mask = torch.ones(ANCHORS, BLOCK, dtype=torch.bool)
-    cfg = LossConfig(weights={"ce": 0.1, "tv": 0.9}, ce_target="data", confidence_weight=1.0,
-                     gamma=4.0, num_anchors=ANCHORS, chunk_size=chunk_slots)
+    cfg = from_conf(LossConfig, "loss/default.yaml", weights={"ce": 0.1, "tv": 0.9}, ce_target="data",
+                    confidence_weight=1.0, gamma=4.0, num_anchors=ANCHORS, chunk_size=chunk_slots)
 
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     baseline_kib = _status_kib("VmRSS")
@@ -80,7 +84,7 @@ def run_variant(chunk_slots: int, threads: int) -> dict:
     # time because a shared machine inflates wall time unevenly between the two runs.
     wall, cpu = time.perf_counter(), time.process_time()
     out = dspark_loss(draft_logits, target_logits, hidden, prev, target_hidden, labels, slot_mask,
-                      cfg, confidence_fn=confidence_logits)
+                      cfg, confidence_fn=confidence_logits, keep_budget=keep_budget)
     out.loss.backward()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {
@@ -93,11 +97,12 @@ def run_variant(chunk_slots: int, threads: int) -> dict:
     }
 
 
-def _spawn(chunk_slots: int, threads: int) -> dict:
+def _spawn(chunk_slots: int, threads: int, keep_budget: int | None = None) -> dict:
     """One variant in a fresh interpreter, so its allocator and peak RSS start clean."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_chunked_loss", "--variant", str(chunk_slots), str(threads)],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+        [sys.executable, "-m", "bench.bench_chunked_loss", "--variant", str(chunk_slots), str(threads),
+         str(keep_budget)],
+        check=False, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
     )
     if proc.returncode != 0:
         raise RuntimeError(f"variant chunk_slots={chunk_slots} failed:\n{proc.stderr[-3000:]}")
@@ -112,6 +117,7 @@ def main(out_dir: Path) -> dict:
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
     unchunked = _spawn(ANCHORS * BLOCK, threads)
     chunked = _spawn(CHUNK_SLOTS, threads)
+    recomputed = _spawn(CHUNK_SLOTS, threads, keep_budget=0)
     figures = {
         "setting": {"vocab": VOCAB, "anchors": ANCHORS, "block": BLOCK, "hidden": HIDDEN,
                     "markov_rank": MARKOV_RANK, "dtype": "float32", "device": "cpu", "threads": threads,
@@ -119,12 +125,15 @@ def main(out_dir: Path) -> dict:
                     "memory": "peak RSS above pre-loss RSS, fresh process per variant"},
         "unchunked": unchunked,
         "chunked": chunked,
+        "recomputed": recomputed,
+        "recomputed_peak_memory_ratio": round(recomputed["peak_mib"] / unchunked["peak_mib"], 3),
+        "recomputed_wall_time_ratio": round(recomputed["wall_s"] / unchunked["wall_s"], 3),
         "peak_memory_ratio": round(chunked["peak_mib"] / unchunked["peak_mib"], 3),
         "wall_time_ratio": round(chunked["wall_s"] / unchunked["wall_s"], 3),
         "cpu_time_ratio": round(chunked["cpu_s"] / unchunked["cpu_s"], 3),
-        "same_result": all(_close(chunked[k], unchunked[k]) for k in ("loss", "grad_norm_hidden")),
+        "same_result": all(_close(v[k], unchunked[k]) for v in (chunked, recomputed) for k in ("loss", "grad_norm_hidden")),
     }
-    for name in ("unchunked", "chunked"):
+    for name in ("unchunked", "chunked", "recomputed"):
         v = figures[name]
         print(f"{name:9s} ({v['chunk_slots']} slots per chunk): peak {v['peak_mib']} MiB, "
               f"wall {v['wall_s']} s, cpu {v['cpu_s']} s")
@@ -135,7 +144,8 @@ def main(out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--variant":
-        print(json.dumps(run_variant(int(sys.argv[2]), int(sys.argv[3]))))
+    if len(sys.argv) == 5 and sys.argv[1] == "--variant":
+        budget = None if sys.argv[4] == "None" else int(sys.argv[4])
+        print(json.dumps(run_variant(int(sys.argv[2]), int(sys.argv[3]), budget)))
     else:
         main(Path(__file__).resolve().parent / "results")
