@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,8 @@ from conftest import make_tiny_qwen3
 from extract.data.__main__ import run
 from extract.data.config import SourceConfig
 from extract.data.pipeline import _cut_turns
-from extract.data.regenerate import Journal
-from extract.data.sources import load_source, select
+from extract.data.regenerate import Journal, pending, prompt_sha
+from extract.data.sources import Conversation, load_source, select
 from extract.data.split import eval_fingerprints, prompt_fingerprint
 from extract.data.tokenize import ChatTokenizer, MissingChatTemplate
 
@@ -263,6 +264,21 @@ def test_journal_drops_a_torn_last_line(tmp_path):
     path.write_text('{"sample_id": 1}\nnot json\n{"sample_id": 3}\n')
     with pytest.raises(ValueError, match="line 2: corrupt journal entry"):
         Journal(path)
+
+
+def test_journal_redoes_a_conversation_whose_tools_or_kept_calls_changed(tmp_path):
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}
+    messages = [{"role": "user", "content": "Find x."}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "x is 1"}, {"role": "assistant", "content": "1"}]  # fmt: skip
+    conv = Conversation(1, messages, tools=[{"type": "function", "function": {"name": "lookup"}}])
+    journal = Journal(tmp_path / "j.jsonl")
+    journal.append({"sample_id": 1, "prompt_sha": prompt_sha(conv.messages, conv.tools)})
+    other_reply = [*messages[:3], {"role": "assistant", "content": "one"}]
+    assert pending([conv, replace(conv, messages=other_reply)], journal) == []  # replies are not prompts
+    other_call = [messages[0], {**messages[1], "tool_calls": [{**call, "function": {"name": "lookup",
+                  "arguments": {"q": "y"}}}]}, *messages[2:]]  # fmt: skip
+    changed = [replace(conv, messages=other_call), replace(conv, tools=None)]
+    assert pending(changed, journal) == changed
 
 
 # ---------------------------------------------------------------- regeneration on a real vLLM server

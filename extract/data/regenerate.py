@@ -56,10 +56,12 @@ class ChatSettings:
     tool_calls: str
 
 
-def prompt_sha(messages: list[dict[str, str]]) -> str:
-    """Identity of a conversation's prompts (everything but assistant turns)."""
-    prompts = [m for m in messages if m["role"] != "assistant"]
-    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
+def prompt_sha(messages: list[dict[str, Any]], tools: list | None = None) -> str:
+    """Identity of a conversation's prompts: everything but assistant replies (tool calls and tools count)."""
+    prompts = [m if m["role"] != "assistant" else {"role": "assistant", "tool_calls": m["tool_calls"]}
+               for m in messages if m["role"] != "assistant" or m.get("tool_calls")]  # fmt: skip
+    key = {"messages": prompts, "tools": tools} if tools else prompts  # as before for plain chats
+    return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()
 
 
 class Journal:
@@ -108,7 +110,7 @@ def pending(conversations: list[Conversation], journal: Journal) -> list[Convers
     """Conversations with no journal entry for the same prompts."""
     return [
         c for c in conversations
-        if journal.entries.get(c.sample_id, {}).get("prompt_sha") != prompt_sha(c.messages)
+        if journal.entries.get(c.sample_id, {}).get("prompt_sha") != prompt_sha(c.messages, c.tools)
     ]  # fmt: skip
 
 
@@ -179,7 +181,7 @@ async def _served_model(client: httpx.AsyncClient) -> str:
 
 
 async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: ChatSettings) -> dict:
-    entry: dict[str, Any] = {"sample_id": conv.sample_id, "prompt_sha": prompt_sha(conv.messages)}
+    entry: dict[str, Any] = {"sample_id": conv.sample_id, "prompt_sha": prompt_sha(conv.messages, conv.tools)}
     history: list[dict[str, Any]] = []
     finished: list[bool] = []
     max_tokens: list[int | None] = []  # per assistant turn: the limit it ran under (None: kept from the source)
