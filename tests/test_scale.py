@@ -161,7 +161,7 @@ def test_regeneration_on_two_servers_once_each_and_resumable(tiny_dir, tmp_path)
     # Node 0 of 2, killed once a few of its conversations are journaled.
     proc = subprocess.Popen([*cli, "nodes=2", "node_rank=0"], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)  # fmt: skip
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600  # two servers booting on two (possibly busy) cores
     while sum(map(len, journals(out).values())) < 2:
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline
@@ -195,7 +195,7 @@ def test_regeneration_on_two_servers_once_each_and_resumable(tiny_dir, tmp_path)
         check_mask_against_template(chat, row, entry["messages"], entry["finished"])
     # Both servers of the rerun answered chat requests, each on its own core.
     runs = [p.read_text()[sizes.get(p, 0):] for p in logs.glob("*.log")]
-    runs = [text for text in runs if text]
+    runs = [text for text in runs if " start: " in text]  # not the killed run's servers logging their exit
     assert len(runs) == 2 and all("POST /v1/chat/completions" in text for text in runs)
     cores = [text.split("local_rank=0, core ids=")[1].split("\n")[0] for text in runs]
     assert sorted(cores) == ["[0]", "[1]"]
