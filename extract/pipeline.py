@@ -35,7 +35,6 @@ from tqdm import tqdm
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
-from dspark.errors import UserError
 from dspark.store import ShardStore
 from dspark.targets import Target, dataset_target, resolve_target
 from extract.client import (
@@ -204,7 +203,7 @@ class ManagedServers:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STAGING_RECORD).write_text(str(self.staging))
         self.run_dir = run_dir
-        extra = [*srv.extra_args, *(deterministic_args(target.max_model_len + 1) if ex.deterministic else [])]
+        extra = [*tp_args(scale.tp), *srv.extra_args, *(deterministic_args(target.max_model_len + 1) if ex.deterministic else [])]
         # Restarts run here, not on the event loop: a restart takes minutes and the other
         # servers keep working meanwhile. The pool's threads live until every server is
         # stopped, which matters because a server dies with the thread that started it.
@@ -214,7 +213,7 @@ class ManagedServers:
             staging = self.staging / f"server-{i}"
             server = VLLMServer(
                 verifier.model_dir, run_dir / "logs",
-                extra_args=server_args(verifier.layer_ids, self.connector, staging, [*tp_args(scale.tp), *extra]),
+                extra_args=server_args(verifier.layer_ids, self.connector, staging, extra),
                 env=env, ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
                 # +1: a sample may fill target.max_model_len and the request adds one generated token.
                 max_model_len=target.max_model_len + 1, dtype=target.dtype,
@@ -445,7 +444,8 @@ def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | Non
         "seconds": None if seconds is None else round(seconds, 2),
         "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds else None,
         "store_bytes": disk,
-        "store_bytes_per_token": None if disk is None else round(disk / n_tokens, 1),
+        # A node whose share is empty may find a store no other node has committed to yet.
+        "store_bytes_per_token": None if disk is None or not n_tokens else round(disk / n_tokens, 1),
         "raw_bytes_per_token": raw_bytes_per_token(verifier),
     }  # fmt: skip
 
