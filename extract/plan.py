@@ -210,15 +210,18 @@ def shard_count(lengths: Sequence[int], shard_samples: int, shard_tokens: int, w
 
 
 def probe_rows(rows: Sequence[Row], max_samples: int, max_tokens: int) -> list[Row]:
-    """Up to `max_samples` rows evenly spread over `rows`, at most `max_tokens` tokens (at least one row)."""
-    picks = np.unique(np.linspace(0, len(rows) - 1, min(max_samples, len(rows))).round().astype(int))
-    chosen, tokens = [], 0
-    for i in picks:
-        if chosen and tokens + len(rows[i].input_ids) > max_tokens:
-            continue
-        chosen.append(rows[i])
-        tokens += len(rows[i].input_ids)
-    return chosen
+    """Up to `max_samples` rows at evenly spaced quantiles of the sample length, in dataset order.
+
+    Matching the dataset's length distribution matters: a store's bytes per token depend on
+    how many samples share a chunk (e.g. a common system prompt compresses across samples).
+    Fewer rows are taken while they exceed `max_tokens` (at least one).
+    """
+    by_length = sorted(range(len(rows)), key=lambda i: (len(rows[i].input_ids), i))
+    for n in range(min(max_samples, len(rows)), 0, -1):
+        picks = sorted({by_length[round(q)] for q in np.linspace(0, len(rows) - 1, n)})
+        if n == 1 or sum(len(rows[i].input_ids) for i in picks) <= max_tokens:
+            return [rows[i] for i in picks]
+    return []
 
 
 def hf_states(model_dir: Path, layer_ids: list[int], rows: Sequence[Row], dtype: str = "float32") -> list[Sample]:

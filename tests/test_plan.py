@@ -88,7 +88,7 @@ def check_estimate(cfg, rows: list[Row]) -> ShardStore:
 
 def test_estimate_within_5_percent_on_smollm2_chat(tmp_path):
     model_dir = resolve_target_dir("embedded:smollm2")
-    rows = chat_rows(model_dir, 16)
+    rows = chat_rows(model_dir, 24)
     data = write_dataset(tmp_path / "data", model_dir, rows)
     check_estimate(extract_config(tmp_path, data, "extract.shard_samples=6", "plan.probe_samples=5"), rows)
 
