@@ -127,15 +127,10 @@ class DSparkTrainer(Trainer):
         self, model: nn.Module, batch: Batch, norm: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = self.blocks(model, batch, norm)
-        loss = out.loss
-        if not bool(batch["slot_mask"].any()):
-            # Nothing to score here, but DDP's reducer waits for a gradient of every
-            # parameter on every rank: keep them all in the graph, at zero weight.
-            loss = loss + 0.0 * sum(p.sum() for p in self.params)
         logs = {"loss": out.loss.detach(), **{t: out.terms[t] for t in self.term_names}}
         logs.update(accept_sum=out.acceptance.alpha_sum.sum(), accept_prefix_sum=out.acceptance.prefix_sum.sum(),
                     accept_slots=out.acceptance.slots.sum(), accept_blocks=out.acceptance.slots[0])
-        return loss, logs
+        return out.loss, logs
 
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         out = {k: float(v) for k, v in sums.items() if not k.startswith("accept_")}

@@ -3,18 +3,19 @@
 The base class owns everything that is not specific to the draft: the step plan over the
 store, background loading, gradient accumulation under DDP, the loss normalizer shared by
 all ranks, AdamW with warmup + cosine, clipping, checkpoints and exact resume, evaluation
-cadence, best-checkpoint tracking and reporting. A subclass implements:
+cadence, best-checkpoint tracking and reporting. The loss normalizer and the handling of a
+rank with nothing to score live here, in `train_step`, and nowhere else: the step's loss is
+the sum of every micro-batch's weighted loss over all ranks divided by `norm`, the sum of
+their `norm_weight`s; a micro-batch with `norm_weight` 0 (or a rank with no data, which runs
+`empty_batch()`) still gives every parameter a (zero) gradient, as DDP requires.
 
-- `prepare_batch(batch, *, epoch, train)`: runs in the data workers (e.g. anchor sampling);
-  must put `norm_weight` (a scalar) in the batch: the step's loss is normalized by its sum
-  over all micro-batches of all ranks.
-- `empty_batch()`: a batch with nothing to score, for a rank that has no data in a step.
-- `compute_loss(model, batch, norm) -> (loss, logs)`: `logs` are sums, added over
-  micro-batches and ranks (`summarize` turns them into reported figures); the keys must
-  not depend on the batch.
-- `evaluate(batches) -> dict[str, float]`: held-out metrics of this rank's share, reduced
-  over ranks with `reduce_sum`; must contain `Trainer.best_metric` (higher is better).
-- `export(out_dir, metrics)`: the deployable model, written at the end.
+A subclass implements (each hook's docstring says what it must return):
+
+- `prepare_batch(batch, *, epoch, train) -> Batch` (runs in the data workers),
+- `empty_batch() -> Batch`,
+- `compute_loss(model, batch, norm) -> (loss, logs)`,
+- `evaluate(batches) -> dict[str, float]` (must contain `best_metric_name`),
+- `export(out_dir, metrics) -> None`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class LoopState:
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
-    best_metric: float | None = None
+    best_value: float | None = None
+    """Highest `Trainer.best_metric_name` seen so far, at `best_step`."""
     best_step: int | None = None
     train_time_s: float = 0.0
     """Wall time spent in training steps, summed over resumes."""
@@ -68,7 +70,8 @@ def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> fl
 class Trainer:
     """Base loop (see the module docstring for what a subclass provides)."""
 
-    best_metric = "tau"
+    best_metric_name = "tau"
+    """The held-out metric (higher is better) that picks the `best` checkpoint."""
 
     def __init__(
         self,
@@ -130,21 +133,33 @@ class Trainer:
 
     # ----- hooks -----
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
+        """Runs in the data workers on a collated micro-batch (see `train.data.collate`).
+
+        Returns the batch extended with what `compute_loss` needs, including `norm_weight`: a
+        scalar tensor, this micro-batch's share of the step's loss normalizer (0 = nothing to
+        score). Must be a pure function of the batch, `epoch` and `train` (exact resume).
+        """
         raise NotImplementedError
 
     def empty_batch(self) -> Batch:
+        """A prepared batch with `norm_weight` 0, run by a rank that has no data in a step."""
         raise NotImplementedError
 
     def compute_loss(
         self, model: nn.Module, batch: Batch, norm: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns `(loss, logs)`: `loss` (scalar, with grad) = this batch's weighted loss sum / `norm`
+        (the step's global normalizer); `logs`: detached scalar sums over the batch, the same keys
+        for every batch (added over micro-batches and ranks, then passed to `summarize`)."""
         raise NotImplementedError
 
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        """Returns held-out metrics over all ranks (this rank's share, reduced with `reduce_sum`),
+        including `best_metric_name`. Every rank calls it and gets the same figures."""
         raise NotImplementedError
 
     def export(self, out_dir: Path, metrics: dict[str, float]) -> None:
-        """Write the deployable model (rank 0 only)."""
+        """Writes the deployable model to `out_dir` (rank 0 only); returns nothing."""
 
     # ----- helpers for subclasses -----
     def averaged(self):
@@ -241,6 +256,7 @@ class Trainer:
         norm = self.reduce_sum({"norm": local_norm})["norm"].float()
         sums: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(micro_batches):
+            scored = bool(batch["norm_weight"] > 0)
             batch = self.to_device(batch)
             last = i == len(micro_batches) - 1
             # DDP averages gradients over ranks; the loss is already normalized by the
@@ -248,6 +264,10 @@ class Trainer:
             with nullcontext() if last else acc.no_sync(self.model):
                 with acc.autocast():
                     loss, logs = self.compute_loss(self.model, batch, norm)
+                if not scored:
+                    # Nothing to score here, but DDP's reducer waits for a gradient of every
+                    # parameter on every rank: keep them all in the graph, at zero weight.
+                    loss = loss + 0.0 * sum(p.sum() for p in self.params)
                 acc.backward(loss * acc.num_processes)
             logs["num_tokens"] = batch["num_tokens"]
             for k, v in logs.items():
@@ -284,10 +304,10 @@ class Trainer:
         return metrics
 
     def track_best(self, metrics: dict[str, float]) -> bool:
-        value = metrics[self.best_metric]
-        if self.state.best_metric is not None and value <= self.state.best_metric:
+        value = metrics[self.best_metric_name]
+        if self.state.best_value is not None and value <= self.state.best_value:
             return False
-        self.state.best_metric, self.state.best_step = value, self.state.step
+        self.state.best_value, self.state.best_step = value, self.state.step
         return True
 
     def plan_identity(self) -> dict:
