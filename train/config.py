@@ -92,6 +92,7 @@ class TrainConfig(Checked):
 
 
     def __post_init__(self) -> None:
+        self.at_least(2, "tokens_per_micro_batch")  # a long sample's windows overlap by one token
         self.at_least(1, "epochs", "tokens_per_step", "tokens_per_micro_batch", "save_every", "keep_last",
                       "log_every", "prefetch_steps", "eval_num_anchors")
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
