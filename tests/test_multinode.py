@@ -83,6 +83,8 @@ def test_makefile_keeps_standalone_for_one_node():
     refused = subprocess.run(["make", "-s", "-n", "-o", ".venv/.setup-done", "train", "NODES=2"],
                              cwd=REPO, capture_output=True, text=True, check=False)  # fmt: skip
     assert refused.returncode != 0 and "MASTER_ADDR" in refused.stderr
+    example = REPO / "examples" / "slurm-scale-out.sh"  # the cluster example at least parses
+    assert subprocess.run(["bash", "-n", str(example)], check=False).returncode == 0
 
 
 def test_two_nodes_by_rendezvous_equal_one_node_of_two_processes(args, tmp_path):
