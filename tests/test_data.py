@@ -378,7 +378,13 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(vllm_url, servable_
 
 @pytest.mark.vllm
 def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_qwen3_dir, tmp_path):
-    files = [write_lines(tmp_path / f"{t}.jsonl", [sharegpt(f"{t} prompt {i}?") for i in range(8)]) for t in "abc"]
+    files = [write_lines(tmp_path / f"{t}.jsonl", [sharegpt(f"{t} prompt {i}?") for i in range(8)]) for t in "ab"]
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "c"}}}
+    tool_rows = [json.dumps({"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+                             "messages": [{"role": "user", "content": f"c prompt {i}?"},
+                                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                                          {"role": "tool", "content": f"result {i}"}]}) for i in range(8)]  # fmt: skip
+    files.append(write_lines(tmp_path / "c.jsonl", tool_rows))  # the kept call is scored, the result is context
     sources = ", ".join(f"{{source: jsonl, path: '{f}', weight: {w}}}" for f, w in zip(files, (2, 1, 1)))
     args = ["data=mix", f"data.sources=[{sources}]", "data.max_samples=8", "data.eval_fraction=0.25",
             f"regen.server_url={vllm_url}", "regen.max_new_tokens=4", "tokenize.min_loss_tokens=1"]  # fmt: skip
@@ -401,3 +407,8 @@ def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_q
     per_source = [sum(s == f"jsonl:{t}.jsonl" for s, _ in rows.values()) for t in "abc"]
     assert per_source == [4, 2, 2] == [p["selected"] for p in second["source"]["sources"]]
     assert second["splits"]["eval"]["samples"] == 2  # ceil(0.25 * 8) distinct prompts held out
+    with_tools = [e for e in entries if e["sample_id"] // 10**9 == 2]
+    assert len(with_tools) == 2 == second["regeneration"]["tool_call_turns_kept"]
+    for entry in with_tools:
+        assert [m["role"] for m in entry["messages"]] == ["user", "assistant", "tool", "assistant"]
+        assert entry["messages"][1]["tool_calls"] == [call] and len(entry["finished"]) == 2

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from dspark.errors import UserError
 from extract.data.problems import RowError
-from extract.data.sources import Conversation
+from extract.data.sources import Conversation, call_arguments
 from extract.data.tokenize import ChatTokenizer
 
 
@@ -226,8 +226,7 @@ async def _complete(client, model, history, tools, max_tokens: int, settings: Ch
     """(reply message, ended by itself rather than by the token limit, completion tokens)."""
     payload = {
         "model": model,
-        # Earlier reasoning is not sent back, as a chat client does not send it.
-        "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in history],
+        "messages": [_request_message(m) for m in history],
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "max_tokens": max_tokens,
@@ -255,13 +254,25 @@ async def _complete(client, model, history, tools, max_tokens: int, settings: Ch
         reasoning = message.get("reasoning_content") or message.get("reasoning")  # a reasoning parser's split
         if reasoning:
             reply["reasoning_content"] = reasoning
-        if message.get("tool_calls"):  # a tool parser's split
-            reply["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                    "arguments": c["function"]["arguments"]}} for c in message["tool_calls"]]  # fmt: skip
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
         raise RegenerationError(
             f"{client.base_url}: expected a chat completion {{'choices': [{{'message': {{'content': ...}}}}], "
             f"'usage': {{'completion_tokens': ...}}}} from POST /v1/chat/completions, got {response.text[:300]!r} "
             f"({err!r})") from err
+    if calls:  # a tool parser's split; arguments that are not a JSON object cost this conversation only
+        reply["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": call_arguments(args)}}
+                               for name, args in calls]  # fmt: skip
     stopped = choice.get("finish_reason") in ("stop", "tool_calls")
     return reply, stopped, used
+
+
+def _request_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A history message as the chat API takes it: tool-call arguments as JSON text, and no reasoning
+    (a chat client does not send earlier reasoning back)."""
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [{**c, "id": c.get("id", f"call_{n}"), "function": {
+            "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+            for n, c in enumerate(out["tool_calls"])]  # fmt: skip
+    return out

@@ -157,8 +157,22 @@ def _tool_call(i: int, call: Any) -> dict[str, Any]:
             not isinstance(fn.get("arguments", {}), (str, dict)):  # fmt: skip
         raise RowError("malformed tool call", f"message {i}: expected a name and string or object arguments")
     _text(json.dumps(fn, ensure_ascii=False), f"message {i} tool call")
-    out = {"type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}}
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": call_arguments(fn.get("arguments", {}))}}
     return out | ({"id": call["id"]} if isinstance(call.get("id"), str) else {})
+
+
+def call_arguments(arguments: str | dict) -> dict:
+    """A call's arguments as an object: a vLLM server parses a JSON string into one before its template
+    renders it (`tojson`), so the data renders the same object the same way."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as err:
+        raise RowError("malformed tool call", f"arguments are not JSON: {err.msg}") from None
+    if not isinstance(parsed, dict):
+        raise RowError("malformed tool call", f"arguments are a JSON {type(parsed).__name__}, not an object")
+    return parsed
 
 
 def _tools(obj: dict) -> list[dict] | None:
