@@ -217,7 +217,8 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     log = run_dir.parent / f"{run_dir.name}.log"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as out:
-        proc = subprocess.run([*launcher(cfg["launcher"]), *overrides], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run([*launcher(cfg["launcher"]), *overrides], check=False, cwd=REPO, env=env, stdout=out,
+                              stderr=subprocess.STDOUT)
     if proc.returncode:
         raise RuntimeError(f"{variant} x{budget} seed {seed} failed (exit {proc.returncode}); see {log}")
     wall = time.perf_counter() - start
@@ -257,6 +258,7 @@ def plot(table: list[dict], path: Path) -> None:
         right.errorbar(k, last["accept"]["mean"], yerr=2 * np.asarray(last["accept"]["se"]), marker="o", capsize=3,
                        label=f"{variant} ({last['steps']} steps)")
     left.set(xlabel="training tokens (M)", ylabel="held-out τ (±2 SE)", title="τ by budget")
+    right.set_xticks(range(len(table[0]["accept"]["mean"])))
     right.set(xlabel="slot k", ylabel="P(slots 0..k accepted) (±2 SE)", title="per-position acceptance")
     for ax in (left, right):
         ax.grid(alpha=0.3)

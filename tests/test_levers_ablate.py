@@ -6,17 +6,24 @@ import json
 import math
 
 import numpy as np
-import torch
 import pytest
+import torch
 import yaml
-from train_stores import MASK_TOKEN_ID, VOCAB, make_bigram_verifier, make_samples, write_store, write_token_freqs
+from train_stores import (
+    MASK_TOKEN_ID,
+    VOCAB,
+    make_bigram_verifier,
+    make_samples,
+    write_store,
+    write_token_freqs,
+)
 
 from bench import ablate
 from bench.ablate import Blocks, combine_seeds, mean_se, summarize
 
 
 def blocks(taus_minus_one: list[float]) -> Blocks:
-    """Blocks of size 1 whose τ is 1 + α (α given), on the same two held-out anchors... n anchors."""
+    """Blocks of one slot whose τ is 1 + α (α given), one per held-out anchor."""
     alpha = np.asarray(taus_minus_one, dtype=np.float64)[:, None]
     key = np.stack([np.arange(len(alpha)), np.zeros(len(alpha), dtype=np.int64)], 1)
     return Blocks(alpha, np.ones_like(alpha, dtype=bool), key)
@@ -64,14 +71,17 @@ def tiny_world(tmp_path_factory):
     return root
 
 
+def tiny_overrides(root) -> list[str]:
+    """A 1-layer draft on the tiny store, 96 tokens per step."""
+    return [f"target.name_or_path={root / 'verifier'}", "target.name=tiny", "target.aux_layer_ids=null",
+            f"target.mask_token_id={MASK_TOKEN_ID}", "model.num_layers=1", "model.markov_rank=16",
+            "model.draft_vocab_size=null", "loss.num_anchors=4", f"train.train_store={root / 'store' / 'train'}",
+            f"train.eval_store={root / 'store' / 'eval'}", f"train.token_freqs={root / 'freqs.npy'}",
+            "train.tokens_per_step=96", "train.tokens_per_micro_batch=96", "train.data_workers=0", "train.lr=1e-2"]
+
+
 def test_two_variants_make_one_table(tiny_world, tmp_path):
-    root = tiny_world
-    common = [f"target.name_or_path={root / 'verifier'}", "target.name=tiny", "target.aux_layer_ids=null",
-              f"target.mask_token_id={MASK_TOKEN_ID}", "model.num_layers=1", "model.markov_rank=16",
-              "model.draft_vocab_size=null", "loss.num_anchors=4", f"train.train_store={root / 'store' / 'train'}",
-              f"train.eval_store={root / 'store' / 'eval'}", f"train.token_freqs={root / 'freqs.npy'}",
-              "train.tokens_per_step=96", "train.tokens_per_micro_batch=96", "train.data_workers=0",
-              "train.eval_every=0", "train.lr=1e-2"]
+    common = [*tiny_overrides(tiny_world), "train.eval_every=0"]
     cfg = {"launcher": ["python", "-m", "train"], "runs_dir": str(tmp_path / "runs"), "common": common, "steps": 3,
            "budgets": [1], "seeds": [0], "reference": "baseline",
            "eval": {"max_samples": None, "anchors_per_sample": None, "anchors_per_forward": 64},
@@ -111,13 +121,7 @@ def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
     from train.__main__ import run
     from train.checkpoint import read_checkpoint
 
-    root = tiny_world
-    args = [f"target.name_or_path={root / 'verifier'}", "target.name=tiny", "target.aux_layer_ids=null",
-            f"target.mask_token_id={MASK_TOKEN_ID}", "model.num_layers=1", "model.markov_rank=16",
-            "model.draft_vocab_size=null", "loss.num_anchors=4", f"train.train_store={root / 'store' / 'train'}",
-            f"train.eval_store={root / 'store' / 'eval'}", f"train.token_freqs={root / 'freqs.npy'}",
-            "train.tokens_per_step=96", "train.tokens_per_micro_batch=96", "train.data_workers=0",
-            "train.max_steps=4", "train.lr=1e-2", "train.ema_decay=0.9", f"train.run_dir={tmp_path / 'run'}"]
+    args = [*tiny_overrides(tiny_world), "train.max_steps=4", "train.ema_decay=0.9", f"train.run_dir={tmp_path / 'run'}"]
     with initialize_config_dir(config_dir=str(ablate.REPO / "conf"), version_base=None):
         run(compose("train", overrides=args))
     ckpt = read_checkpoint(tmp_path / "run" / "checkpoints" / "latest", rank=0)
