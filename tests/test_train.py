@@ -29,6 +29,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_stores import (
     MASK_TOKEN_ID,
     VOCAB,
@@ -323,7 +324,9 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
     assert sorted(evals) == sorted({*range(10, STEPS + 1, 10), STEPS})
     assert {"tau", "alpha_0", "alpha_3", "accept_3"} <= evals[STEPS].keys()
     assert max(evals[s]["tau"] for s in evals) == evals[int(best.resolve().name.split("_")[1])]["tau"]
-    assert list((two_rank_run / "tensorboard").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(two_rank_run / "tensorboard" / "default")).Reload()  # accelerate's tracker
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    assert [e.value for e in events.Scalars("eval/tau")] == pytest.approx([evals[s]["tau"] for s in sorted(evals)])
     assert 0 <= rows(two_rank_run, "train")[STEPS]["data_wait"] <= 1
     data = rows(two_rank_run, "data")[0]
     assert (data["train_long_samples"], data["train_windows"], data["train_windows_left_out"]) == (3, 8, 1)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate.utils import ProjectConfiguration
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.config import DraftConfig, LossConfig, TargetConfig, load_section
@@ -48,7 +49,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
     # A bounded wait on the other ranks: a dead or hung peer fails the collective instead of hanging it.
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))
-    return Accelerator(cpu=not cuda, mixed_precision=precision, kwargs_handlers=[timeout])
+    # Experiment trackers (train.log_with); TensorBoard events go to run_dir/tensorboard/<run_name>.
+    project = ProjectConfiguration(project_dir=cfg.run_dir, logging_dir=str(Path(cfg.run_dir) / "tensorboard"))
+    return Accelerator(cpu=not cuda, mixed_precision=precision, kwargs_handlers=[timeout],
+                       log_with=cfg.log_with or None, project_config=project)
 
 
 def open_store(url: str, field: str, target: Target) -> ShardStore:

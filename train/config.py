@@ -84,7 +84,9 @@ class TrainConfig(Checked):
     keep_last: int
     """Checkpoints kept besides the best one (older ones are deleted)."""
     log_every: int
-    """Write train metrics to TensorBoard / metrics.jsonl every this many steps."""
+    """Write train metrics to the trackers / metrics.jsonl every this many steps."""
+    log_with: list[str]
+    """accelerate experiment trackers for train/eval figures (tensorboard, wandb, mlflow, ...); metrics.jsonl always."""
     export: bool
     """Export the final drafter in speculators format to `run_dir/drafter`."""
     ema_decay: float | None

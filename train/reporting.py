@@ -1,7 +1,8 @@
 """Progress reporting of a training run (rank 0 only).
 
-Three sinks: a progress bar (loss terms, τ, tokens/s, data-wait %, ETA), TensorBoard
-event files in `run_dir/tensorboard`, and `run_dir/metrics.jsonl` with one JSON object per
+Three sinks: a progress bar (loss terms, τ, tokens/s, data-wait %, ETA), accelerate's
+experiment trackers (`train.log_with`: TensorBoard events under `run_dir/tensorboard/`,
+wandb, mlflow, ... as installed), and `run_dir/metrics.jsonl` with one JSON object per
 line: `{"step": int, "split": "train" | "eval", <metric>: float, ...}` (train rows: `loss`,
 each loss term, `lr`, `grad_norm`, `tokens_per_s`, `data_wait`, `epoch`; eval rows: `tau`,
 `alpha_<k>` conditional and `accept_<k>` cumulative acceptance per slot, the loss terms;
@@ -17,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from torch.utils.tensorboard import SummaryWriter
+from accelerate import Accelerator
 from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
@@ -45,19 +46,23 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class Reporter:
-    """Rank 0's progress bar, TensorBoard writer and metrics.jsonl; every method is a no-op elsewhere."""
+    """Rank 0's progress bar, experiment trackers and metrics.jsonl; every method is a no-op elsewhere."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, resumed: bool):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, accelerator: Accelerator, *, run_name: str, total_steps: int, start_step: int,
+                 resumed: bool):
+        self.enabled = accelerator.is_main_process
+        self.accelerator = accelerator
         self.last_tau: float | None = None
-        if not enabled:
+        if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / METRICS_FILE
         # Rows after the checkpoint were logged by work that is now redone; a fresh start
         # (a run killed before its first checkpoint) keeps none.
         truncate_metrics(self.metrics_path, start_step if resumed else -1)
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if resumed else 0)
+        # TensorBoard drops the events a killed run logged after its checkpoint (purge_step).
+        tb = {"purge_step": start_step + 1 if resumed else 0, "flush_secs": 10}
+        accelerator.init_trackers(run_name, init_kwargs={"tensorboard": tb})
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def train_step(self, step: int, metrics: dict[str, float], *, log: bool) -> None:
@@ -104,20 +109,15 @@ class Reporter:
             self.bar.write(text)
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self.tb.add_scalar(f"{split}/{name}", value, step)
+        self.accelerator.log({f"{split}/{name}": value for name, value in metrics.items()}, step=step)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
-
-    def flush(self) -> None:
-        """Make everything logged so far durable (called with each checkpoint)."""
-        if self.enabled:
-            self.tb.flush()
 
     def close(self) -> None:
         if self.enabled:
             self.bar.close()
-            self.tb.close()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 __all__ = ["METRICS_FILE", "Reporter", "truncate_metrics"]

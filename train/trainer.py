@@ -121,7 +121,8 @@ class Trainer:
         )
         self.reporter = Reporter(
             run_dir,
-            enabled=accelerator.is_main_process,
+            accelerator,
+            run_name=cfg.run_name,
             total_steps=self.total_steps,
             start_step=self.state.step,
             resumed=resume_from is not None,
@@ -330,7 +331,6 @@ class Trainer:
             files=self.run_files,
             best=best,
         )
-        self.reporter.flush()
 
     def restore(self, model: nn.Module, path: Path) -> None:
         """Exact resume: weights, optimizer, scheduler, RNG and loop position from `path`."""
