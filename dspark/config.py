@@ -71,6 +71,9 @@ class TargetConfig(Checked):
     """HF hub id, local HF directory, or `embedded:smollm2` for the PyPI-shipped default."""
     revision: str | None
     """Hub revision to pin (ignored for local directories)."""
+    preset_for: str | None
+    """The verifier a preset's fixed values were chosen for (null in `target=auto`); with another
+    `name_or_path` every pass warns that they are kept."""
     aux_layer_ids: list[int] | None
     """Aux layer ids in vLLM's convention (id k = residual entering layer k); null = the paper's spacing."""
     mask_token_id: int | None

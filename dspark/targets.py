@@ -262,6 +262,9 @@ class Target:
         lines = [(f"target {self.config.name} = {self.name_or_path} ({self.model_dir}): {self.num_hidden_layers} "
                   f"layers, hidden {self.hidden_size}, vocabulary {self.vocab_size}")]
         lines += [f"  {field} = {getattr(self.config, field)!r} ({self.chosen[field]})" for field in DERIVED_FIELDS]
+        if self.config.preset_for not in (None, self.name_or_path):  # a preset pointed at another verifier
+            lines.append(f"WARNING: the target preset was written for {self.config.preset_for}: its values (config) "
+                         f"are kept for {self.name_or_path}; use target=auto to derive them for it")
         return "\n".join(lines)
 
 
@@ -275,8 +278,7 @@ def check_store_name(attrs: dict, name_or_path: str, where: str) -> None:
 
 def dataset_target(data_dir: str | Path | None) -> dict | None:
     """The `target` section of the data stage's summary in `data_dir`, if there is one."""
-    path = Path(data_dir) / DATASET_SUMMARY if data_dir else None
-    if path is None or not path.is_file():
+    if not data_dir or not (path := Path(data_dir) / DATASET_SUMMARY).is_file():
         return None
     try:
         return json.loads(path.read_text()).get("target")

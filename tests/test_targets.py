@@ -299,3 +299,12 @@ def test_data_stage_records_the_derived_target_for_later_passes(tiny_qwen3_dir, 
     assert later.mask_token_id == 151700 and later.chosen["mask_token_id"].startswith("dataset summary")
     # ... but never those of another verifier.
     assert resolve_target(auto_target(str(tiny_qwen3_dir)), {**recorded, "name_or_path": "x"}).mask_token_id == 151669
+
+
+def test_a_preset_pointed_at_another_verifier_says_so(tiny_qwen3_dir):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="data", overrides=[f"target.name_or_path={tiny_qwen3_dir}"])
+    target = resolve_target(load_section(TargetConfig, cfg, "target"))
+    assert target.mask_token_id == 16  # the smollm2 preset's value is kept, but not silently:
+    assert "WARNING: the target preset was written for embedded:smollm2" in target.describe()
+    assert "WARNING" not in resolve_target(auto_target(str(tiny_qwen3_dir))).describe()
