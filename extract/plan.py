@@ -42,7 +42,7 @@ from dspark.store import BF16, Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import Target, dataset_target, resolve_target
 from extract.client import Row
 from extract.config import STORE_DTYPES, ExtractConfig
-from extract.dataset import read_split
+from extract.dataset import check_tokenizer, read_split
 from extract.scale import ScaleConfig, scale_config
 
 TOKEN_ARRAYS = ("hidden", "hidden_scale", "token_ids", "loss_mask")
@@ -276,6 +276,7 @@ def _tree_bytes(path: Path) -> int:
 
 def split_plans(target: Target, ex: ExtractConfig, scale: ScaleConfig) -> list[SplitPlan]:
     """This node's samples of each split, and those not yet committed to an existing store."""
+    check_tokenizer(Path(ex.data_dir), target.tokenizer_sha256, target.name_or_path)
     plans = []
     for name in ex.splits:
         split = read_split(Path(ex.data_dir), name, max_tokens=target.config.max_model_len,
