@@ -21,15 +21,16 @@ import pytest
 import torch
 from conftest import make_tiny_qwen3
 from hydra import compose, initialize_config_dir
+from test_server import group_alive
 
-from dspark.store import ShardStore, StoreMismatchError, bits_to_tensor
 from dspark.config import load_section
+from dspark.store import ShardStore, StoreMismatchError, bits_to_tensor
 from dspark.targets import resolve_target_dir, tokenizer_sha256
 from extract.__main__ import run as run_stage
-from extract.dataset import DatasetError
 from extract.config import ExtractConfig
+from extract.dataset import DatasetError
 from extract.pipeline import kv_transfer_config, resolve_connector, server_args, server_envs
-from extract.server import VLLMServer
+from extract.server import VLLMServer, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -248,11 +249,13 @@ def test_stored_states_equal_transformers_hidden_states(reference, tiny_dir, tin
     assert list(server.staging.iterdir()) == [], "staged files must be deleted once stored"
 
 
-def test_rerun_of_a_complete_store_extracts_nothing(reference, tiny_dir, tiny_data):
+def test_rerun_of_a_complete_store_extracts_nothing(reference, tiny_dir, tiny_data, server):
     root, _ = reference
     manifests = {s: (root / "store" / s / "manifest.json").read_bytes() for s in ("train", "eval")}
-    # No server_url and no server: a rerun with nothing to do must not start one.
-    summary = run_in_process(stage_overrides(tiny_dir, root, tiny_data, "server.ready_timeout_s=1"))
+    # The same kind of server (external), but nothing listens there: a rerun with nothing to do asks none.
+    dead = f"http://127.0.0.1:{free_port()}"
+    summary = run_in_process(stage_overrides(tiny_dir, root, tiny_data, f"extract.server_url={dead}",
+                                             f"extract.staging_dir={server.staging}"))
     assert {s: v["samples_extracted"] for s, v in summary["splits"].items()} == {"train": 0, "eval": 0}
     assert {s: (root / "store" / s / "manifest.json").read_bytes() for s in manifests} == manifests
 
@@ -267,17 +270,9 @@ def _kill_stage_and_servers(proc: subprocess.Popen) -> None:
             pass
     proc.wait()
     deadline = time.monotonic() + 60
-    while any(_group_alive(g) for g in groups):
+    while any(group_alive(g) for g in groups):
         assert time.monotonic() < deadline, "a killed process group did not go away"
         time.sleep(0.1)
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def assert_within_bf16_ulp(a: Path, b: Path) -> float:
