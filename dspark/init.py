@@ -68,8 +68,7 @@ def init_from_verifier(model: DSparkDraft, target_dir: str | Path, layers: list[
     copied: dict[str, str] = {}
     if layers is not None:
         weight_map = _weight_map(Path(target_dir))
-        hf_config = AutoConfig.from_pretrained(target_dir)
-        num_verifier = int((getattr(hf_config, "text_config", None) or hf_config).num_hidden_layers)
+        num_verifier = int(AutoConfig.from_pretrained(target_dir).get_text_config().num_hidden_layers)
         copied = layer_tensor_names(model, weight_map, resolve_layers(layers, num_verifier, len(model.layers)))
         params = dict(model.named_parameters())
         by_file = defaultdict(list)
