@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup demo data plan extract train eval serve test bench ablate verify clean
+.PHONY: setup demo data plan extract train eval serve test lint bench ablate verify clean
 
 setup: $(STAMP)
 
@@ -72,6 +72,11 @@ serve: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml: lint rules and the formatter's check
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench $(ARGS)

@@ -24,7 +24,8 @@ backward), (c) optimizer = the AdamW step. FLOP fraction: analytic forward+backw
 of the useful work (backbone on the conversations' tokens, both lm_heads and Markov W2 on
 the scored slots) over the median step time, against the best matmul FLOP/s measured in
 the same run (measured before every round; the fastest counts). `adamw_step_s`: one AdamW
-step over this trainer's parameters as `train` configures it (default) and with `fused=True`.
+step over this trainer's parameters as `train` builds it (`train.trainer.make_optimizer`, the
+fused kernel) and as torch's default AdamW (foreach), which speculators' side of the step uses.
 
 Run: python -m bench.bench_train_step   (or python -m bench only=train_step)
 """
@@ -44,6 +45,7 @@ from types import SimpleNamespace
 import torch
 
 from bench import write_figures
+from train.trainer import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 # The GPU check (bench/gpu_check.py) runs this module with cuda, bfloat16 (autocast) and flex.
@@ -239,7 +241,8 @@ def build(shape: Shape, work: Path):
     def autocast():
         return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
 
-    opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-4)
+    opt_cfg = SimpleNamespace(lr=1e-4, adam_betas=(0.9, 0.999), weight_decay=0.0)
+    opt_ours = make_optimizer([p for p in ours.parameters() if p.requires_grad], opt_cfg)
     opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-4)
 
     def our_step() -> None:
@@ -257,14 +260,14 @@ def build(shape: Shape, work: Path):
         opt_theirs.zero_grad(set_to_none=True)
 
     def optimizer_steps() -> dict[str, float]:
-        """Seconds of one AdamW step over this trainer's parameters: as `train` builds it, and fused."""
+        """Seconds of one AdamW step over this trainer's parameters: as `train` builds it, and torch's default."""
         params = [p for p in ours.parameters() if p.requires_grad]
         out = {}
-        for name, opt in (("default", opt_ours), ("fused", None)):
+        for name, opt in (("trainer", opt_ours), ("foreach", None)):
             for p in params:
                 p.grad = torch.randn_like(p)
             if opt is None:  # one more optimizer state only now, so the peak memory stays one state higher
-                opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+                opt = torch.optim.AdamW(params, lr=1e-4)
                 opt.step()  # creates the state
             sync()
             start = time.perf_counter()

@@ -5,11 +5,14 @@ A `UserError` (bad input, config or environment, refused on purpose) prints
 `error: <message>` to stderr and exits with status 2, without a traceback and without
 Hydra's "Error executing job"; so does an override Hydra cannot apply (a misspelt key, a
 missing config group option), checked before Hydra runs the stage. Any other exception is
-a bug and keeps its full traceback.
+a bug and keeps its full traceback, except a full disk (or quota, or file-size limit): that
+is the machine's state, not a bug, so it is one `error:` line too. Every stage commits its
+work atomically, so what was committed before the disk filled is kept and a rerun continues.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from collections.abc import Callable
@@ -23,6 +26,8 @@ from dspark.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 EXIT_USER_ERROR = 2
+# a write refused for lack of room: no space, over quota, over the process's file-size limit
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def fail(message: str) -> None:
@@ -57,6 +62,11 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
                 task(cfg)
             except UserError as err:
                 fail(str(err))
+            except OSError as err:
+                if err.errno not in DISK_FULL:
+                    raise
+                fail(f"{err} - the disk where the stage writes is full: what was committed is kept; "
+                     "free space (or raise the quota) and rerun the same command to continue")
 
         hydra_main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)(guarded)
 
@@ -70,4 +80,4 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
     return wrap
 
 
-__all__ = ["EXIT_USER_ERROR", "check_overrides", "fail", "stage_main"]
+__all__ = ["DISK_FULL", "EXIT_USER_ERROR", "check_overrides", "fail", "stage_main"]

@@ -176,7 +176,7 @@ def fit_sequential_temperatures(
             temperatures.append(1.0)
             continue
         zk, yk, pk = z[rows, k], label[rows, k], prefix[rows]
-        log_t = _minimize_log_t(lambda lt: nll(pk * sigmoid(zk / math.exp(lt)), yk), math.log(t_min), math.log(t_max))
+        log_t = _minimize_log_t(lambda lt, pk=pk, zk=zk, yk=yk: nll(pk * sigmoid(zk / math.exp(lt)), yk), math.log(t_min), math.log(t_max))
         temperatures.append(math.exp(log_t))
         prefix = prefix * sigmoid(z[:, k] / temperatures[-1])
     return temperatures

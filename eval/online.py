@@ -122,7 +122,7 @@ def load_prompts(prompts_file: str | None, data_dir: str | Path, num_prompts: in
         if not path.is_file():
             raise FileNotFoundError(f"online prompts: no {path} (run make data) and eval.online.prompts_file is null")
         prompts = []
-        for line_no, row in sorted(_jsonl(path), key=lambda r: r[1].get("sample_id", 0)):
+        for _line_no, row in sorted(_jsonl(path), key=lambda r: r[1].get("sample_id", 0)):
             mask = row.get("loss_mask") or []
             first = next((i for i, m in enumerate(mask) if m), None)
             if first is None or first == 0:

@@ -4,6 +4,8 @@ an empty file, a missing file, and a lone surrogate, through the real stage entr
 from __future__ import annotations
 
 import json
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +74,20 @@ def test_stage_on_the_corpus_exits_0_and_summary_names_every_bad_line(tiny_qwen3
     named = {int(w.split()[-1]): r for r, p in dropped.items() for w in p["locations"]}
     assert named == BAD and sum(p["count"] for p in dropped.values()) == len(BAD)
     assert summary["dropped"]["samples"]["no assistant reply"]["examples"][0].startswith("sample 31:")
+    assert sorted(r["sample_id"] for r in read_rows(out)) == [1, 2, 25, 26, 29, 32]
+
+    # The same stage on a full disk (a 512-byte file-size limit): one error line, exit 2, and the
+    # dataset written above is still whole (the new generation is never switched in).
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+    before = (out / "summary.json").read_bytes()
+    full = subprocess.run([*cli[:-3], "data.eval_fraction=0.5", *cli[-2:]], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False, preexec_fn=small_files)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr and "error: " in full.stderr and "rerun" in full.stderr
+    assert (out / "summary.json").read_bytes() == before
     assert sorted(r["sample_id"] for r in read_rows(out)) == [1, 2, 25, 26, 29, 32]
 
 

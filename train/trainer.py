@@ -41,6 +41,14 @@ from train.reporting import Reporter
 from train.sampler import StepPlanner, share_of_rank
 
 
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW as every run uses it: the fused kernel (one pass over each parameter instead of a
+    chain of foreach ops; ~10x faster on CPU at a 0.5B verifier's draft, see bench train_step)."""
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay, fused=True
+    )
+
+
 @dataclass
 class LoopState:
     """Where the loop is; saved in every checkpoint (trainer_state.json)."""
@@ -100,9 +108,7 @@ class Trainer:
         # On the device before the optimizer exists, so restored optimizer state lands there too.
         model.to(accelerator.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
-        )
+        self.optimizer = make_optimizer(self.params, cfg)
         self.ema = None if cfg.ema_decay is None else WeightAverage(self.params, self.optimizer, cfg.ema_decay)
         warmup = max(1, math.ceil(cfg.warmup_ratio * self.total_steps)) if cfg.warmup_ratio > 0 else 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

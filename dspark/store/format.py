@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from zarr.codecs import BloscCodec, BloscShuffle, ZstdCodec
 
+from dspark.errors import UserError
+
 if TYPE_CHECKING:  # torch is imported on use: readers and `extract.verify` need only numpy + zarr
     import torch
 
@@ -58,7 +60,7 @@ SMALL_CODEC = ZstdCodec(level=3)
 VERIFY_ROWS = 16 * HIDDEN_CHUNK_TOKENS
 
 
-class StoreMismatchError(ValueError):
+class StoreMismatchError(UserError):
     """The store on disk was made for another target, layer ids, tokenizer or data."""
 
 
