@@ -118,16 +118,25 @@ def summarize(runs: list[dict], blocks: dict, untrained: dict, reference: str) -
             stats = [mean_se(v) for v in values]
             return combine_seeds([s[0] for s in stats], [s[1] for s in stats])
 
-        row = {"variant": variant, "budget": budget, "steps": rows[0]["steps"],
-               "train_tokens": float(np.mean([r["train_tokens"] for r in rows])),
-               "tau": over_seeds([b.tau for b in mine]),
-               "untrained_tau": over_seeds([untrained[variant, s].tau for s in seeds]),
-               "accept": per_position(mine, "prefix"), "alpha": per_position(mine, "alpha")}
+        row = {
+            "variant": variant,
+            "budget": budget,
+            "steps": rows[0]["steps"],
+            "train_tokens": float(np.mean([r["train_tokens"] for r in rows])),
+            "tau": over_seeds([b.tau for b in mine]),
+            "untrained_tau": over_seeds([untrained[variant, s].tau for s in seeds]),
+            "accept": per_position(mine, "prefix"),
+            "alpha": per_position(mine, "alpha"),
+        }
         if (reference, budget, seeds[0]) in blocks and all((reference, budget, s) in blocks for s in seeds):
             row["gain"] = over_seeds([b.tau - blocks[reference, budget, s].tau for b, s in zip(mine, seeds)])
         if all((reference, s) in untrained for s in seeds):
-            row["tau_per_mtok"] = over_seeds([(b.tau - untrained[reference, s].tau) / (r["train_tokens"] / 1e6)
-                                              for b, s, r in zip(mine, seeds, rows)])
+            row["tau_per_mtok"] = over_seeds(
+                [
+                    (b.tau - untrained[reference, s].tau) / (r["train_tokens"] / 1e6)
+                    for b, s, r in zip(mine, seeds, rows)
+                ]
+            )
         for key in ("wall_s", "train_time_s"):
             row[key] = combine_seeds([r[key] for r in rows], [0.0] * len(rows))
         table.append(row)
@@ -158,11 +167,17 @@ def launcher(command: list[str]) -> list[str]:
 
 def run_overrides(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) -> list[str]:
     """Overrides of one training run (the variant's own last, so a variant may change anything)."""
-    return [*cfg["common"], f"train.seed={seed}", f"train.max_steps={cfg['steps'] * budget}",
-            f"train.run_dir={run_dir}", "train.export=true", "train.log_every=1",
-            # continue an interrupted run from its checkpoint; one killed before any starts over
-            f"train.resume={'auto' if any(run_dir.glob('checkpoints/*')) else 'restart'}",
-            *cfg["variants"][variant]]
+    return [
+        *cfg["common"],
+        f"train.seed={seed}",
+        f"train.max_steps={cfg['steps'] * budget}",
+        f"train.run_dir={run_dir}",
+        "train.export=true",
+        "train.log_every=1",
+        # continue an interrupted run from its checkpoint; one killed before any starts over
+        f"train.resume={'auto' if any(run_dir.glob('checkpoints/*')) else 'restart'}",
+        *cfg["variants"][variant],
+    ]
 
 
 def compose(overrides: list[str]):
@@ -179,12 +194,26 @@ def score(draft, verifier, cfg: dict, full_cfg) -> Blocks:
     from eval.offline import evaluate_blocks, held_out_refs, open_heldout_store
 
     ev = cfg["eval"]
-    offline = OfflineConfig(enabled=True, max_samples=ev["max_samples"], anchors_per_sample=ev["anchors_per_sample"],
-                            anchors_per_forward=ev["anchors_per_forward"], seed=0, length_buckets=[1],
-                            position_buckets=[1], device="cpu")
+    offline = OfflineConfig(
+        enabled=True,
+        max_samples=ev["max_samples"],
+        anchors_per_sample=ev["anchors_per_sample"],
+        anchors_per_forward=ev["anchors_per_forward"],
+        seed=0,
+        length_buckets=[1],
+        position_buckets=[1],
+        device="cpu",
+    )
     store = open_heldout_store(full_cfg.train.eval_store)
-    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, offline.max_samples), offline,
-                            draft.fc.weight.device, desc="ablate eval")
+    table = evaluate_blocks(
+        draft,
+        verifier,
+        store,
+        held_out_refs(store, offline.max_samples),
+        offline,
+        draft.fc.weight.device,
+        desc="ablate eval",
+    )
     return Blocks(table.alpha, table.slot_mask, np.stack([table.sample_id, table.anchor_pos], 1))
 
 
@@ -217,8 +246,14 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     log = run_dir.parent / f"{run_dir.name}.log"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as out:
-        proc = subprocess.run([*launcher(cfg["launcher"]), *overrides], check=False, cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [*launcher(cfg["launcher"]), *overrides],
+            check=False,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     if proc.returncode:
         raise RuntimeError(f"{variant} x{budget} seed {seed} failed (exit {proc.returncode}); see {log}")
     wall = time.perf_counter() - start
@@ -234,9 +269,16 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     meta = json.loads((run_dir / "drafter" / META_FILE).read_text())
     steps = max(r["step"] for r in rows if r["split"] == "train")  # fewer than asked when the epochs run out
-    record = {"variant": variant, "budget": budget, "seed": seed, "steps": steps,
-              "train_tokens": float(sum(r["num_tokens"] for r in rows if r["split"] == "train")),
-              "wall_s": wall, "train_time_s": float(meta["train_time_s"]), "overrides": overrides}
+    record = {
+        "variant": variant,
+        "budget": budget,
+        "seed": seed,
+        "steps": steps,
+        "train_tokens": float(sum(r["num_tokens"] for r in rows if r["split"] == "train")),
+        "wall_s": wall,
+        "train_time_s": float(meta["train_time_s"]),
+        "overrides": overrides,
+    }
     blocks.save(blocks_path)
     record_path.write_text(json.dumps(record, indent=2))
     return record, blocks
@@ -251,12 +293,24 @@ def plot(table: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for variant in dict.fromkeys(r["variant"] for r in table):
         rows = [r for r in table if r["variant"] == variant]
-        left.errorbar([r["train_tokens"] / 1e6 for r in rows], [r["tau"]["mean"] for r in rows],
-                      yerr=[2 * r["tau"]["se"] for r in rows], marker="o", capsize=3, label=variant)
+        left.errorbar(
+            [r["train_tokens"] / 1e6 for r in rows],
+            [r["tau"]["mean"] for r in rows],
+            yerr=[2 * r["tau"]["se"] for r in rows],
+            marker="o",
+            capsize=3,
+            label=variant,
+        )
         last = rows[-1]
         k = np.arange(len(last["accept"]["mean"]))
-        right.errorbar(k, last["accept"]["mean"], yerr=2 * np.asarray(last["accept"]["se"]), marker="o", capsize=3,
-                       label=f"{variant} ({last['steps']} steps)")
+        right.errorbar(
+            k,
+            last["accept"]["mean"],
+            yerr=2 * np.asarray(last["accept"]["se"]),
+            marker="o",
+            capsize=3,
+            label=f"{variant} ({last['steps']} steps)",
+        )
     left.set(xlabel="training tokens (M)", ylabel="held-out τ (±2 SE)", title="τ by budget")
     right.set_xticks(range(len(table[0]["accept"]["mean"])))
     right.set(xlabel="slot k", ylabel="P(slots 0..k accepted) (±2 SE)", title="per-position acceptance")
@@ -279,11 +333,15 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
         for seed in cfg["seeds"]:
             untrained[variant, seed] = untrained_blocks(cfg, variant, seed, root / variant / f"untrained_s{seed}")
             for budget in cfg["budgets"]:
-                record, blocks[variant, budget, seed] = train_run(cfg, variant, budget, seed,
-                                                                  root / variant / f"x{budget}_s{seed}")
+                record, blocks[variant, budget, seed] = train_run(
+                    cfg, variant, budget, seed, root / variant / f"x{budget}_s{seed}"
+                )
                 runs.append(record)
-                print(f"{variant} x{budget} seed {seed}: tau {blocks[variant, budget, seed].tau.mean():.4f} "
-                      f"({record['wall_s']:.0f} s)", flush=True)
+                print(
+                    f"{variant} x{budget} seed {seed}: tau {blocks[variant, budget, seed].tau.mean():.4f} "
+                    f"({record['wall_s']:.0f} s)",
+                    flush=True,
+                )
     table = summarize(runs, blocks, untrained, cfg["reference"])
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(table, out_dir / "ablations.png")
@@ -295,18 +353,23 @@ def main(argv: list[str]) -> int:
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in {"config", "out", "only", "seeds", "budgets"}:
-            raise SystemExit(f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1 "
-                             "or budgets=1,4")
+            raise SystemExit(
+                f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1 or budgets=1,4"
+            )
         args[key] = value
     cfg = load_config(Path(args.get("config", DEFAULT_CONFIG)))
     for key in ("seeds", "budgets"):
         if key in args:
             cfg[key] = [int(v) for v in args[key].split(",")]
-    result = run_ablation(cfg, Path(args.get("out", "bench/results")), args["only"].split(",") if "only" in args else None)
+    result = run_ablation(
+        cfg, Path(args.get("out", "bench/results")), args["only"].split(",") if "only" in args else None
+    )
     for row in result["table"]:
         gain = row.get("gain", {"mean": float("nan"), "se": float("nan")})
-        print(f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
-              f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  wall {row['wall_s']['mean']:.0f} s")
+        print(
+            f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
+            f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  wall {row['wall_s']['mean']:.0f} s"
+        )
     return 0
 
 

@@ -75,16 +75,34 @@ def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict
     prev = torch.randint(0, VOCAB, (ANCHORS, BLOCK))
     labels = torch.randint(0, VOCAB, (ANCHORS, BLOCK))
     slot_mask = torch.ones(ANCHORS, BLOCK, dtype=torch.bool)
-    cfg = from_conf(LossConfig, "loss/default.yaml", weights={"ce": 0.1, "tv": 0.9}, ce_target="data",
-                    confidence_weight=1.0, gamma=4.0, num_anchors=ANCHORS, chunk_size=chunk_slots)
+    cfg = from_conf(
+        LossConfig,
+        "loss/default.yaml",
+        weights={"ce": 0.1, "tv": 0.9},
+        ce_target="data",
+        confidence_weight=1.0,
+        gamma=4.0,
+        num_anchors=ANCHORS,
+        chunk_size=chunk_slots,
+    )
 
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     baseline_kib = _status_kib("VmRSS")
     # One pass: at these sizes a pass is a minute of CPU; CPU time is reported next to wall
     # time because a shared machine inflates wall time unevenly between the two runs.
     wall, cpu = time.perf_counter(), time.process_time()
-    out = dspark_loss(draft_logits, target_logits, hidden, prev, target_hidden, labels, slot_mask,
-                      cfg, confidence_fn=confidence_logits, keep_budget=keep_budget)
+    out = dspark_loss(
+        draft_logits,
+        target_logits,
+        hidden,
+        prev,
+        target_hidden,
+        labels,
+        slot_mask,
+        cfg,
+        confidence_fn=confidence_logits,
+        keep_budget=keep_budget,
+    )
     out.loss.backward()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {
@@ -100,9 +118,19 @@ def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict
 def _spawn(chunk_slots: int, threads: int, keep_budget: int | None = None) -> dict:
     """One variant in a fresh interpreter, so its allocator and peak RSS start clean."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_chunked_loss", "--variant", str(chunk_slots), str(threads),
-         str(keep_budget)],
-        check=False, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+        [
+            sys.executable,
+            "-m",
+            "bench.bench_chunked_loss",
+            "--variant",
+            str(chunk_slots),
+            str(threads),
+            str(keep_budget),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
     )
     if proc.returncode != 0:
         raise RuntimeError(f"variant chunk_slots={chunk_slots} failed:\n{proc.stderr[-3000:]}")
@@ -119,10 +147,19 @@ def main(out_dir: Path) -> dict:
     chunked = _spawn(CHUNK_SLOTS, threads)
     recomputed = _spawn(CHUNK_SLOTS, threads, keep_budget=0)
     figures = {
-        "setting": {"vocab": VOCAB, "anchors": ANCHORS, "block": BLOCK, "hidden": HIDDEN,
-                    "markov_rank": MARKOV_RANK, "dtype": "float32", "device": "cpu", "threads": threads,
-                    "terms": "0.1 ce + 0.9 tv + confidence", "pass": "forward+backward",
-                    "memory": "peak RSS above pre-loss RSS, fresh process per variant"},
+        "setting": {
+            "vocab": VOCAB,
+            "anchors": ANCHORS,
+            "block": BLOCK,
+            "hidden": HIDDEN,
+            "markov_rank": MARKOV_RANK,
+            "dtype": "float32",
+            "device": "cpu",
+            "threads": threads,
+            "terms": "0.1 ce + 0.9 tv + confidence",
+            "pass": "forward+backward",
+            "memory": "peak RSS above pre-loss RSS, fresh process per variant",
+        },
         "unchunked": unchunked,
         "chunked": chunked,
         "recomputed": recomputed,
@@ -131,15 +168,21 @@ def main(out_dir: Path) -> dict:
         "peak_memory_ratio": round(chunked["peak_mib"] / unchunked["peak_mib"], 3),
         "wall_time_ratio": round(chunked["wall_s"] / unchunked["wall_s"], 3),
         "cpu_time_ratio": round(chunked["cpu_s"] / unchunked["cpu_s"], 3),
-        "same_result": all(_close(v[k], unchunked[k]) for v in (chunked, recomputed) for k in ("loss", "grad_norm_hidden")),
+        "same_result": all(
+            _close(v[k], unchunked[k]) for v in (chunked, recomputed) for k in ("loss", "grad_norm_hidden")
+        ),
     }
     for name in ("unchunked", "chunked", "recomputed"):
         v = figures[name]
-        print(f"{name:9s} ({v['chunk_slots']} slots per chunk): peak {v['peak_mib']} MiB, "
-              f"wall {v['wall_s']} s, cpu {v['cpu_s']} s")
-    print(f"chunked / unchunked: peak memory {figures['peak_memory_ratio']}x, wall time "
-          f"{figures['wall_time_ratio']}x, cpu time {figures['cpu_time_ratio']}x, "
-          f"same loss and gradient: {figures['same_result']}")
+        print(
+            f"{name:9s} ({v['chunk_slots']} slots per chunk): peak {v['peak_mib']} MiB, "
+            f"wall {v['wall_s']} s, cpu {v['cpu_s']} s"
+        )
+    print(
+        f"chunked / unchunked: peak memory {figures['peak_memory_ratio']}x, wall time "
+        f"{figures['wall_time_ratio']}x, cpu time {figures['cpu_time_ratio']}x, "
+        f"same loss and gradient: {figures['same_result']}"
+    )
     return write_figures(out_dir, "chunked_loss", figures)
 
 

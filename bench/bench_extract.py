@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-
+from bench import write_figures
 from dspark.config import TargetConfig, load_section  # noqa: E402
 from dspark.store import ShardStore  # noqa: E402
 from dspark.targets import Target  # noqa: E402
@@ -40,7 +40,6 @@ from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging
 from extract.config import ExtractConfig, ServerConfig  # noqa: E402
 from extract.pipeline import deterministic_args, load_verifier, raw_bytes_per_token, server_args, store_bytes  # noqa: E402
 from extract.server import VLLMServer  # noqa: E402
-from bench import write_figures
 
 N_SAMPLES = 64
 ROUNDS = 3
@@ -53,8 +52,11 @@ def stage_config() -> tuple[TargetConfig, ExtractConfig, ServerConfig]:
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="extract")
-    return load_section(TargetConfig, cfg, "target"), load_section(ExtractConfig, cfg, "extract"), \
-        load_section(ServerConfig, cfg, "server")
+    return (
+        load_section(TargetConfig, cfg, "target"),
+        load_section(ExtractConfig, cfg, "extract"),
+        load_section(ServerConfig, cfg, "server"),
+    )
 
 
 def sharegpt_rows(model_dir: Path, n: int) -> list[Row]:
@@ -62,8 +64,16 @@ def sharegpt_rows(model_dir: Path, n: int) -> list[Row]:
     from extract.data.sources import load_source, select
     from extract.data.tokenize import ChatTokenizer
 
-    source = SourceConfig(source="sharegpt", path=None, hf_name=None, hf_split="train", max_samples=None,
-                          seed=0, max_turns=1, eval_fraction=0.0)
+    source = SourceConfig(
+        source="sharegpt",
+        path=None,
+        hf_name=None,
+        hf_split="train",
+        max_samples=None,
+        seed=0,
+        max_turns=1,
+        eval_fraction=0.0,
+    )
     chat = ChatTokenizer(model_dir)
     rows = []
     for conv in select(load_source(source).conversations, 4 * n, seed=0):
@@ -87,18 +97,33 @@ async def plain_prefill(url: str, model: str, rows: list[Row], concurrency: int)
 
     async def worker(client: httpx.AsyncClient) -> None:
         for row in todo:
-            resp = await client.post(f"{url}/v1/completions",
-                                     json={"model": model, "prompt": row.input_ids, "max_tokens": 1})
+            resp = await client.post(
+                f"{url}/v1/completions", json={"model": model, "prompt": row.input_ids, "max_tokens": 1}
+            )
             resp.raise_for_status()
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
 
 
-async def extraction(url: str, staging: Path, model: str, rows: list[Row], verifier: Target, ex: ExtractConfig,
-                     store: ShardStore | None, concurrency: int = 0) -> None:
-    async with HiddenStatesClient(url, model, n_layers=len(verifier.layer_ids), hidden_size=verifier.hidden_size,
-                                  timeout_s=ex.request_timeout_s, staging_dir=staging) as client:
+async def extraction(
+    url: str,
+    staging: Path,
+    model: str,
+    rows: list[Row],
+    verifier: Target,
+    ex: ExtractConfig,
+    store: ShardStore | None,
+    concurrency: int = 0,
+) -> None:
+    async with HiddenStatesClient(
+        url,
+        model,
+        n_layers=len(verifier.layer_ids),
+        hidden_size=verifier.hidden_size,
+        timeout_s=ex.request_timeout_s,
+        staging_dir=staging,
+    ) as client:
         if store is None:  # read and drop, `concurrency` at a time
             todo = iter(rows)
 
@@ -127,47 +152,92 @@ def main(out_dir: Path) -> dict:
     # Both servers are up at once (rounds alternate, so drifting load on a shared machine
     # hits both alike); half the default KV cache each keeps the pair within memory.
     env = {**srv.env, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(srv.env.get("VLLM_CPU_KVCACHE_SPACE", "4")) // 2))}
-    common = dict(env=env, max_model_len=target.max_model_len + 1, dtype=target.dtype,
-                  ready_timeout_s=srv.ready_timeout_s)
+    common = dict(
+        env=env, max_model_len=target.max_model_len + 1, dtype=target.dtype, ready_timeout_s=srv.ready_timeout_s
+    )
     # Warm-up = one untimed pass over every sample: the first batches of a fresh server
     # include one-off work (compiled-graph shape buckets, allocations).
     warm_rows = [Row(-1 - i, r.input_ids, r.loss_mask) for i, r in enumerate(rows)]
-    with tempfile.TemporaryDirectory() as tmp, \
-            tempfile.TemporaryDirectory(dir=default_staging_root(), prefix="bench-extract-") as staging:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory(dir=default_staging_root(), prefix="bench-extract-") as staging,
+    ):
         tmp, staging = Path(tmp), Path(staging)
-        plain = VLLMServer(model, tmp / "plain", extra_args=["--disable-uvicorn-access-log", *srv.extra_args],
-                           **common)
-        extracting = VLLMServer(model, tmp / "extract",
-                                extra_args=server_args(verifier.layer_ids, "cpu", staging / "normal", srv.extra_args),
-                                **common)
+        plain = VLLMServer(model, tmp / "plain", extra_args=["--disable-uvicorn-access-log", *srv.extra_args], **common)
+        extracting = VLLMServer(
+            model,
+            tmp / "extract",
+            extra_args=server_args(verifier.layer_ids, "cpu", staging / "normal", srv.extra_args),
+            **common,
+        )
         # extract.deterministic: one sample per engine step, no chunked prefill, no prefix cache.
-        one_by_one = VLLMServer(model, tmp / "deterministic", extra_args=server_args(
-            verifier.layer_ids, "cpu", staging / "deterministic",
-            [*srv.extra_args, *deterministic_args(target.max_model_len + 1)]), **common)
+        one_by_one = VLLMServer(
+            model,
+            tmp / "deterministic",
+            extra_args=server_args(
+                verifier.layer_ids,
+                "cpu",
+                staging / "deterministic",
+                [*srv.extra_args, *deterministic_args(target.max_model_len + 1)],
+            ),
+            **common,
+        )
         with plain, extracting, one_by_one:
             asyncio.run(plain_prefill(plain.url, model, warm_rows, ex.concurrency))
-            asyncio.run(extraction(extracting.url, staging / "normal", model, warm_rows, verifier, ex, None,
-                                   ex.concurrency))
-            asyncio.run(extraction(one_by_one.url, staging / "deterministic", model, warm_rows, verifier, ex, None,
-                                   ex.concurrency))
+            asyncio.run(
+                extraction(extracting.url, staging / "normal", model, warm_rows, verifier, ex, None, ex.concurrency)
+            )
+            asyncio.run(
+                extraction(
+                    one_by_one.url, staging / "deterministic", model, warm_rows, verifier, ex, None, ex.concurrency
+                )
+            )
             plain_s, extract_s, dropped_s, deterministic_s = [], [], [], []
             for r in range(ROUNDS):
-                store = ShardStore.create_or_open(str(tmp / f"store-{r}"), verifier.store_attrs(),
-                                                  verifier.tokenizer_sha256)
+                store = ShardStore.create_or_open(
+                    str(tmp / f"store-{r}"), verifier.store_attrs(), verifier.tokenizer_sha256
+                )
                 plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))
-                extract_s.append(timed(lambda s=store: extraction(extracting.url, staging / "normal", model, rows,
-                                                                  verifier, ex, s)))
+                extract_s.append(
+                    timed(lambda s=store: extraction(extracting.url, staging / "normal", model, rows, verifier, ex, s))
+                )
                 assert len(store.committed_sample_ids()) == len(rows)
-                dropped_s.append(timed(lambda: extraction(extracting.url, staging / "normal", model, warm_rows,
-                                                          verifier, ex, None, ex.concurrency)))
-                deterministic_s.append(timed(lambda: extraction(one_by_one.url, staging / "deterministic", model,
-                                                                warm_rows, verifier, ex, None, ex.concurrency)))
+                dropped_s.append(
+                    timed(
+                        lambda: extraction(
+                            extracting.url, staging / "normal", model, warm_rows, verifier, ex, None, ex.concurrency
+                        )
+                    )
+                )
+                deterministic_s.append(
+                    timed(
+                        lambda: extraction(
+                            one_by_one.url,
+                            staging / "deterministic",
+                            model,
+                            warm_rows,
+                            verifier,
+                            ex,
+                            None,
+                            ex.concurrency,
+                        )
+                    )
+                )
         disk = store_bytes(str(tmp / "store-0"))
     ratios = [e / p for e, p in zip(extract_s, plain_s)]
     figures = {
-        "setting": {"target": target.name_or_path, "dtype": target.dtype, "layer_ids": verifier.layer_ids,
-                    "hidden_size": verifier.hidden_size, "samples": len(rows), "tokens": n_tokens, "rounds": ROUNDS,
-                    "concurrency": ex.concurrency, "server_env": env, "server_extra_args": srv.extra_args},
+        "setting": {
+            "target": target.name_or_path,
+            "dtype": target.dtype,
+            "layer_ids": verifier.layer_ids,
+            "hidden_size": verifier.hidden_size,
+            "samples": len(rows),
+            "tokens": n_tokens,
+            "rounds": ROUNDS,
+            "concurrency": ex.concurrency,
+            "server_env": env,
+            "server_extra_args": srv.extra_args,
+        },
         "plain_prefill_s": [round(t, 2) for t in plain_s],
         "extraction_s": [round(t, 2) for t in extract_s],
         "plain_tokens_per_s": round(ROUNDS * n_tokens / sum(plain_s), 1),
@@ -184,15 +254,17 @@ def main(out_dir: Path) -> dict:
         "store_bytes_per_token": round(disk / n_tokens, 1),
         "raw_bytes_per_token": raw_bytes_per_token(verifier),
         "store_size_vs_raw": round(disk / (n_tokens * raw_bytes_per_token(verifier)), 3),
-    }  # fmt: skip
-    print(f"{len(rows)} samples, {n_tokens} tokens, {ROUNDS} alternating rounds: plain prefill "
-          f"{figures['plain_tokens_per_s']:.0f} tok/s, extraction {figures['extraction_tokens_per_s']:.0f} tok/s: "
-          f"extraction takes {figures['extraction_time_vs_plain_prefill']:.2f}x plain prefill's time "
-          f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}; without the store writes "
-          f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x; deterministic mode "
-          f"{figures['deterministic_vs_normal_extraction']:.2f}x the normal mode's time); "
-          f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
-          f"({raw_bytes_per_token(verifier)} B/token)")
+    }
+    print(
+        f"{len(rows)} samples, {n_tokens} tokens, {ROUNDS} alternating rounds: plain prefill "
+        f"{figures['plain_tokens_per_s']:.0f} tok/s, extraction {figures['extraction_tokens_per_s']:.0f} tok/s: "
+        f"extraction takes {figures['extraction_time_vs_plain_prefill']:.2f}x plain prefill's time "
+        f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}; without the store writes "
+        f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x; deterministic mode "
+        f"{figures['deterministic_vs_normal_extraction']:.2f}x the normal mode's time); "
+        f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
+        f"({raw_bytes_per_token(verifier)} B/token)"
+    )
     return write_figures(out_dir, "extract", figures)
 
 

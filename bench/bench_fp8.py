@@ -49,8 +49,10 @@ def _dir_bytes(path: Path) -> int:
 
 def _codec_bytes(codec, codes: np.ndarray) -> int:
     """Compressed bytes of `codes` [T, L, H] in the store's chunks along T."""
-    return sum(len(codec.encode(np.ascontiguousarray(codes[i:i + HIDDEN_CHUNK_TOKENS])))
-               for i in range(0, len(codes), HIDDEN_CHUNK_TOKENS))
+    return sum(
+        len(codec.encode(np.ascontiguousarray(codes[i : i + HIDDEN_CHUNK_TOKENS])))
+        for i in range(0, len(codes), HIDDEN_CHUNK_TOKENS)
+    )
 
 
 def _store(samples: list[Sample], target: dict, out: Path) -> tuple[int, StoreWriter]:
@@ -88,24 +90,43 @@ def main(out_dir: Path) -> dict:
     codes, _ = quantize(np.concatenate([s.hidden for s in samples]))
     scale_bytes = 4 * n_layers * n_tokens
     figures = {
-        "setting": {"target": TARGET, "layer_ids": target["layer_ids"], "hidden_size": hidden_size,
-                    "samples": len(samples), "tokens": n_tokens,
-                    "other_target": "none: no 0.5B-class verifier is installed from PyPI on these machines"},
+        "setting": {
+            "target": TARGET,
+            "layer_ids": target["layer_ids"],
+            "hidden_size": hidden_size,
+            "samples": len(samples),
+            "tokens": n_tokens,
+            "other_target": "none: no 0.5B-class verifier is installed from PyPI on these machines",
+        },
         "raw_bf16_bytes_per_token": raw_bf16 // n_tokens,
-        "raw_fp8_with_scales_vs_raw_bf16": round((n_layers * hidden_size + 4 * n_layers) / (2 * n_layers * hidden_size), 3),
-        "bf16_store": {"bytes_per_token": round(bf16_bytes / n_tokens, 1), "vs_raw_bf16": round(bf16_bytes / raw_bf16, 3)},
-        "fp8_store": {"bytes_per_token": round(fp8_bytes / n_tokens, 1), "vs_raw_bf16": round(fp8_bytes / raw_bf16, 3),
-                      "vs_bf16_store": round(fp8_bytes / bf16_bytes, 3)},
+        "raw_fp8_with_scales_vs_raw_bf16": round(
+            (n_layers * hidden_size + 4 * n_layers) / (2 * n_layers * hidden_size), 3
+        ),
+        "bf16_store": {
+            "bytes_per_token": round(bf16_bytes / n_tokens, 1),
+            "vs_raw_bf16": round(bf16_bytes / raw_bf16, 3),
+        },
+        "fp8_store": {
+            "bytes_per_token": round(fp8_bytes / n_tokens, 1),
+            "vs_raw_bf16": round(fp8_bytes / raw_bf16, 3),
+            "vs_bf16_store": round(fp8_bytes / bf16_bytes, 3),
+        },
         "fp8_code_codecs_vs_raw_bf16": {  # codes compressed + raw scales
             name: round((_codec_bytes(codec, codes) + scale_bytes) / raw_bf16, 3) for name, codec in CODE_CODECS.items()
         },
         "read_time_fp8_vs_bf16": round(fp8_read_s / bf16_read_s, 2),
         "read_tokens_per_s": {"bf16": round(n_tokens / bf16_read_s), "fp8": round(n_tokens / fp8_read_s)},
-        "relative_error": {"overall": round(float(np.linalg.norm(y - x) / np.linalg.norm(x)), 4),
-                           "per_layer": {str(k): round(float(e), 4) for k, e in zip(target["layer_ids"], per_layer)}},
+        "relative_error": {
+            "overall": round(float(np.linalg.norm(y - x) / np.linalg.norm(x)), 4),
+            "per_layer": {str(k): round(float(e), 4) for k, e in zip(target["layer_ids"], per_layer)},
+        },
     }
-    print(f"bf16 store {figures['bf16_store']['bytes_per_token']:8.1f} B/token ({figures['bf16_store']['vs_raw_bf16']:.3f} of raw bf16)")
-    print(f"fp8 store  {figures['fp8_store']['bytes_per_token']:8.1f} B/token ({figures['fp8_store']['vs_raw_bf16']:.3f} of raw bf16)")
+    print(
+        f"bf16 store {figures['bf16_store']['bytes_per_token']:8.1f} B/token ({figures['bf16_store']['vs_raw_bf16']:.3f} of raw bf16)"
+    )
+    print(
+        f"fp8 store  {figures['fp8_store']['bytes_per_token']:8.1f} B/token ({figures['fp8_store']['vs_raw_bf16']:.3f} of raw bf16)"
+    )
     print(f"codecs of the e4m3 codes (with raw scales), of raw bf16: {figures['fp8_code_codecs_vs_raw_bf16']}")
     print(f"read time fp8 / bf16: {figures['read_time_fp8_vs_bf16']:.2f}x  {figures['read_tokens_per_s']}")
     print(f"relative error: {figures['relative_error']}")

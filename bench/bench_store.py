@@ -64,15 +64,21 @@ def hidden_states() -> tuple[list[Sample], dict]:
     samples = []
     with torch.no_grad():
         for i, prompt in enumerate(mtbench_prompts()):
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             out = model(ids, output_hidden_states=True)
             layers = [out.hidden_states[k][0] for k in layer_ids[:-1]] + [final.pop()[0]]
             hidden = bf16_to_bits(torch.stack(layers, dim=1))
             n = ids.shape[1]
             samples.append(Sample(i, ids[0].numpy().astype(np.int32), np.ones(n, np.uint8), hidden))
-    target = {"name_or_path": TARGET, "hidden_size": config.hidden_size,
-              "num_hidden_layers": config.num_hidden_layers, "layer_ids": layer_ids, "dtype": "bfloat16"}
+    target = {
+        "name_or_path": TARGET,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "layer_ids": layer_ids,
+        "dtype": "bfloat16",
+    }
     return samples, target
 
 
@@ -88,8 +94,14 @@ def _plain_variant(samples: list[Sample], out: Path, compressors) -> dict:
     start = time.perf_counter()
     chunk = (HIDDEN_CHUNK_TOKENS, *hidden.shape[1:])
     rows = -(-len(hidden) // HIDDEN_CHUNK_TOKENS) * HIDDEN_CHUNK_TOKENS
-    arr = zarr.create_array(str(out), shape=hidden.shape, dtype=hidden.dtype, chunks=chunk,
-                            shards=(rows, *hidden.shape[1:]), compressors=compressors)
+    arr = zarr.create_array(
+        str(out),
+        shape=hidden.shape,
+        dtype=hidden.dtype,
+        chunks=chunk,
+        shards=(rows, *hidden.shape[1:]),
+        compressors=compressors,
+    )
     arr[...] = hidden
     write_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -126,8 +138,13 @@ def main(out_dir: Path) -> dict:
     raw = variants["raw"]
     raw_bytes = 2 * len(target["layer_ids"]) * target["hidden_size"] * n_tokens  # bf16, no padding
     figures = {
-        "setting": {"target": TARGET, "layer_ids": target["layer_ids"], "hidden_size": target["hidden_size"],
-                    "samples": len(samples), "tokens": n_tokens},
+        "setting": {
+            "target": TARGET,
+            "layer_ids": target["layer_ids"],
+            "hidden_size": target["hidden_size"],
+            "samples": len(samples),
+            "tokens": n_tokens,
+        },
         "raw_bf16_bytes_per_token": raw_bytes // n_tokens,
     }
     for name, v in variants.items():
@@ -137,9 +154,11 @@ def main(out_dir: Path) -> dict:
             "write_time_vs_raw": round(v["write_s"] / raw["write_s"], 2),
             "read_time_vs_raw": round(v["read_s"] / raw["read_s"], 2),
         }
-        print(f"{name:6s} {figures[name]['bytes_per_token']:8.1f} B/token  "
-              f"{figures[name]['compression_vs_raw']:.3f}x smaller than raw  "
-              f"write {figures[name]['write_time_vs_raw']:.2f}x  read {figures[name]['read_time_vs_raw']:.2f}x raw's time")
+        print(
+            f"{name:6s} {figures[name]['bytes_per_token']:8.1f} B/token  "
+            f"{figures[name]['compression_vs_raw']:.3f}x smaller than raw  "
+            f"write {figures[name]['write_time_vs_raw']:.2f}x  read {figures[name]['read_time_vs_raw']:.2f}x raw's time"
+        )
     return write_figures(out_dir, "store", figures)
 
 

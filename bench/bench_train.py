@@ -36,9 +36,16 @@ def make_verifier(out: Path) -> Path:
 
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=VERIFIER_LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
-        max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="float32",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=MLP,
+        num_hidden_layers=VERIFIER_LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
     )
     Qwen3ForCausalLM(config).save_pretrained(out)
     # Any real tokenizer: the store records its hash; nothing is tokenized here.
@@ -51,8 +58,13 @@ def write_random_store(url: Path, verifier_dir: Path, samples: int) -> None:
     from dspark.store import Sample, ShardStore, bf16_to_bits
     from dspark.targets import tokenizer_sha256
 
-    target = {"name_or_path": str(verifier_dir), "hidden_size": HIDDEN, "num_hidden_layers": VERIFIER_LAYERS,
-              "layer_ids": [1, 2, 3, VERIFIER_LAYERS], "dtype": "bfloat16"}
+    target = {
+        "name_or_path": str(verifier_dir),
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": VERIFIER_LAYERS,
+        "layer_ids": [1, 2, 3, VERIFIER_LAYERS],
+        "dtype": "bfloat16",
+    }
     store = ShardStore.create_or_open(url, target, tokenizer_sha256(verifier_dir))
     rng = np.random.default_rng(0)
     rows = []
@@ -72,11 +84,22 @@ def data_wait(verifier_dir: Path, work: Path, workers: int) -> dict:
 
     run_dir = work / f"run-{workers}"
     overrides = [
-        "target.name=bench", f"target.name_or_path={verifier_dir}", "target.aux_layer_ids=[1,2,3]",
-        f"target.mask_token_id={MASK_TOKEN_ID}", f"model.num_layers={WAIT_LAYERS}", f"loss.num_anchors={WAIT_ANCHORS}",
-        f"train.run_dir={run_dir}", f"train.train_store={work / 'store'}", "train.eval_store=null",
-        f"train.tokens_per_step={SEQ}", f"train.tokens_per_micro_batch={SEQ}", "train.epochs=1",
-        f"train.data_workers={workers}", "train.log_every=1", "train.export=false", "train.save_every=1000",
+        "target.name=bench",
+        f"target.name_or_path={verifier_dir}",
+        "target.aux_layer_ids=[1,2,3]",
+        f"target.mask_token_id={MASK_TOKEN_ID}",
+        f"model.num_layers={WAIT_LAYERS}",
+        f"loss.num_anchors={WAIT_ANCHORS}",
+        f"train.run_dir={run_dir}",
+        f"train.train_store={work / 'store'}",
+        "train.eval_store=null",
+        f"train.tokens_per_step={SEQ}",
+        f"train.tokens_per_micro_batch={SEQ}",
+        "train.epochs=1",
+        f"train.data_workers={workers}",
+        "train.log_every=1",
+        "train.export=false",
+        "train.save_every=1000",
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         run(compose("train", overrides=overrides))
@@ -97,9 +120,15 @@ def main(out_dir: Path) -> dict:
         write_random_store(work / "store", verifier_dir, samples=WAIT_SAMPLES)
         wait = {"prefetch_1_worker": data_wait(verifier_dir, work, 1), "inline": data_wait(verifier_dir, work, 0)}
     figures = {
-        "setting": {"verifier": f"qwen3-shaped, hidden {HIDDEN}, vocab {VOCAB}", "device": "cpu", "threads": 1,
-                    "draft_layers": WAIT_LAYERS, "anchors": WAIT_ANCHORS, "samples": WAIT_SAMPLES,
-                    "tokens_per_step": SEQ},
+        "setting": {
+            "verifier": f"qwen3-shaped, hidden {HIDDEN}, vocab {VOCAB}",
+            "device": "cpu",
+            "threads": 1,
+            "draft_layers": WAIT_LAYERS,
+            "anchors": WAIT_ANCHORS,
+            "samples": WAIT_SAMPLES,
+            "tokens_per_step": SEQ,
+        },
         "data_wait": wait,
     }
     for name, w in wait.items():

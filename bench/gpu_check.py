@@ -50,17 +50,38 @@ def plan(python: str, out: Path, only: tuple[str, ...], budget_s: float) -> list
     runs = out / "runs"
     torchrun = str(Path(python).with_name("torchrun"))
     phases = {
-        "tests": Phase("tests", [[python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                  f"--junitxml={out / 'gpu_tests.xml'}", "tests"]]),
-        "train_step": Phase("train_step", [[python, "-m", "bench", "only=train_step", f"out={out}"]],
-                            env={"DSPARK_BENCH_DEVICE": "cuda", "DSPARK_BENCH_DTYPE": "bfloat16",
-                                 "DSPARK_BENCH_ATTN": "flex"}),
-        "serving": Phase("serving", [
-            [python, "-m", "extract.data"],
-            [python, "-m", "extract"],
-            [torchrun, "--standalone", "--nproc_per_node", "1", "-m", "train", "+experiment=demo"],
-            [python, "-m", "eval", "eval.online.num_prompts=16", "eval.online.max_tokens=256"],
-        ], env={"DSPARK_RUNS": str(runs)}),
+        "tests": Phase(
+            "tests",
+            [
+                [
+                    python,
+                    "-m",
+                    "pytest",
+                    "-m",
+                    "gpu",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--junitxml={out / 'gpu_tests.xml'}",
+                    "tests",
+                ]
+            ],
+        ),
+        "train_step": Phase(
+            "train_step",
+            [[python, "-m", "bench", "only=train_step", f"out={out}"]],
+            env={"DSPARK_BENCH_DEVICE": "cuda", "DSPARK_BENCH_DTYPE": "bfloat16", "DSPARK_BENCH_ATTN": "flex"},
+        ),
+        "serving": Phase(
+            "serving",
+            [
+                [python, "-m", "extract.data"],
+                [python, "-m", "extract"],
+                [torchrun, "--standalone", "--nproc_per_node", "1", "-m", "train", "+experiment=demo"],
+                [python, "-m", "eval", "eval.online.num_prompts=16", "eval.online.max_tokens=256"],
+            ],
+            env={"DSPARK_RUNS": str(runs)},
+        ),
     }
     chosen = [phases[name] for name in PHASES if name in only]
     total = sum(SHARES[p.name] for p in chosen)
@@ -80,8 +101,9 @@ def run_phase(phase: Phase, log_dir: Path) -> dict:
             f.write(f"$ {' '.join(cmd)}\n")
             f.flush()
             try:
-                rc = subprocess.run(cmd, check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=max(left, 1)).returncode
+                rc = subprocess.run(
+                    cmd, check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=max(left, 1)
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
                 f.write(f"timed out after the phase's {phase.timeout_s} s\n")
@@ -102,25 +124,38 @@ def test_figures(junit: Path) -> dict:
 def train_step_figures(path: Path) -> dict:
     """Per shape: ratio to speculators, tokens/s and the FLOP-limit fraction (bench_train_step's JSON)."""
     rows = json.loads(path.read_text())["rows"]
-    return {name: {"throughput_ratio": r["throughput_ratio"], "ratio_min_max": r["throughput_ratio_min_max"],
-                   "tokens_per_s": r["tokens_per_s"], "flop_limit_fraction": r["flop_limit_fraction"]}
-            for name, r in rows.items()}
+    return {
+        name: {
+            "throughput_ratio": r["throughput_ratio"],
+            "ratio_min_max": r["throughput_ratio_min_max"],
+            "tokens_per_s": r["tokens_per_s"],
+            "flop_limit_fraction": r["flop_limit_fraction"],
+        }
+        for name, r in rows.items()
+    }
 
 
 def serving_figures(report_path: Path) -> dict:
     """Offline τ and, per online run, acceptance length, tokens/s and speedup (eval's report.json)."""
     report = json.loads(report_path.read_text())
     online = report.get("online", {})
-    runs = [{k: r.get(k) for k in ("name", "acceptance_length", "tokens_per_s", "speedup")}
-            for r in online.get("runs", [])]
-    return {"offline_tau": report["offline"]["overall"]["tau"], "online_runs": runs,
-            "online_skipped": online.get("skipped"), "vllm_version": online.get("vllm_version")}
+    runs = [
+        {k: r.get(k) for k in ("name", "acceptance_length", "tokens_per_s", "speedup")} for r in online.get("runs", [])
+    ]
+    return {
+        "offline_tau": report["offline"]["overall"]["tau"],
+        "online_runs": runs,
+        "online_skipped": online.get("skipped"),
+        "vllm_version": online.get("vllm_version"),
+    }
 
 
 def figures(name: str, out: Path) -> dict | None:
     """What a finished phase measured, read from the files it wrote (None when it wrote none)."""
-    sources = {"tests": (out / "gpu_tests.xml", test_figures),
-               "train_step": (out / "train_step.json", train_step_figures)}
+    sources = {
+        "tests": (out / "gpu_tests.xml", test_figures),
+        "train_step": (out / "train_step.json", train_step_figures),
+    }
     if name == "serving":
         found = sorted((out / "runs").glob("*/eval/report.json"))
         sources[name] = (found[0] if found else out / "runs" / "missing", serving_figures)
@@ -134,20 +169,38 @@ def markdown(report: dict) -> str:
     lines += [f"| {p} | {r['rc']} | {r['seconds']} |" for p, r in report["phases"].items()]
     tests = report["phases"].get("tests", {}).get("figures")
     if tests:
-        lines += ["", (f"gpu tests: {tests['passed']} passed, {tests['failures']} failed, "
-                       f"{tests['errors']} errors, {tests['skipped']} skipped")]
+        lines += [
+            "",
+            (
+                f"gpu tests: {tests['passed']} passed, {tests['failures']} failed, "
+                f"{tests['errors']} errors, {tests['skipped']} skipped"
+            ),
+        ]
     step = report["phases"].get("train_step", {}).get("figures")
     if step:
-        lines += ["", "| shape | tokens/s (this trainer) | tokens/s (speculators) | ratio | FLOP-limit fraction |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {n} | {r['tokens_per_s']['ours']} | {r['tokens_per_s']['speculators']} | "
-                  f"{r['throughput_ratio']} | {r['flop_limit_fraction']['ours']} |" for n, r in step.items()]
+        lines += [
+            "",
+            "| shape | tokens/s (this trainer) | tokens/s (speculators) | ratio | FLOP-limit fraction |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {n} | {r['tokens_per_s']['ours']} | {r['tokens_per_s']['speculators']} | "
+            f"{r['throughput_ratio']} | {r['flop_limit_fraction']['ours']} |"
+            for n, r in step.items()
+        ]
     serving = report["phases"].get("serving", {}).get("figures")
     if serving:
-        lines += ["", f"offline τ: {serving['offline_tau']:.3f}", "",
-                  "| online run | acceptance length | tokens/s | speedup |", "|---|---|---|---|"]
-        lines += [f"| {r['name']} | {r['acceptance_length']} | {r['tokens_per_s']} | {r['speedup']} |"
-                  for r in serving["online_runs"]]
+        lines += [
+            "",
+            f"offline τ: {serving['offline_tau']:.3f}",
+            "",
+            "| online run | acceptance length | tokens/s | speedup |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['name']} | {r['acceptance_length']} | {r['tokens_per_s']} | {r['speedup']} |"
+            for r in serving["online_runs"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -189,8 +242,10 @@ def main(argv: list[str]) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("error: no CUDA device here; run bench/gpu_check.sh on a GPU machine (--dry-run shows the plan)",
-              file=sys.stderr)
+        print(
+            "error: no CUDA device here; run bench/gpu_check.sh on a GPU machine (--dry-run shows the plan)",
+            file=sys.stderr,
+        )
         return 2
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(0), "budget_s": args.budget_s, "phases": {}}

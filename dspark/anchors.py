@@ -51,8 +51,9 @@ def sample_anchors(
     return positions.masked_fill(~valid, 0), valid
 
 
-def weighted_anchors(cand: Tensor, weights: Tensor, num_anchors: int,
-                     generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def weighted_anchors(
+    cand: Tensor, weights: Tensor, num_anchors: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
     """Up to `num_anchors` candidates per row, without replacement, with probability ∝ `weights`.
 
     `cand [b, T]` bool, `weights [b, T]` > 0 on candidates. Each draw picks a remaining
@@ -70,8 +71,9 @@ def weighted_anchors(cand: Tensor, weights: Tensor, num_anchors: int,
     return positions.masked_fill(~valid, 0), valid
 
 
-def train_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator, mode: str,
-                  pool: int | None = None, confidence=None) -> tuple[Tensor, Tensor]:
+def train_anchors(
+    loss_mask: Tensor, num_anchors: int, generator: torch.Generator, mode: str, pool: int | None = None, confidence=None
+) -> tuple[Tensor, Tensor]:
     """Training anchors of one row `loss_mask [1, T]` by `loss.anchor_sampling`:
 
     `uniform` is `sample_anchors`; `all` takes every candidate; `confident` draws

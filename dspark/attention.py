@@ -82,7 +82,11 @@ class BlockLayout:
         from torch.nn.attention.flex_attention import create_block_mask
 
         return create_block_mask(
-            self.mask_mod, B=self.anchors.shape[0], H=None, Q_LEN=self.q_len, KV_LEN=self.kv_len,
+            self.mask_mod,
+            B=self.anchors.shape[0],
+            H=None,
+            Q_LEN=self.q_len,
+            KV_LEN=self.kv_len,
             device=self.anchors.device,
         )
 
@@ -127,8 +131,9 @@ class DraftAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask
+    ) -> torch.Tensor:
         """x [b, Q, H] block slots; context [b, T, H]; cos/sin [b, T+Q, d] (context, then block);
         mask from `BlockLayout.dense()` (sdpa) or `BlockLayout.flex()` (flex)."""
         bsz, q_len, _ = x.shape
@@ -144,8 +149,7 @@ class DraftAttention(nn.Module):
         if self.attn_impl == "flex":
             out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim))
 
 

@@ -220,8 +220,10 @@ def _missing_keys(cfg: DictConfig) -> list[str]:
 def _refuse_missing(section: str, cfg: DictConfig) -> None:
     missing = _missing_keys(cfg)
     if missing:
-        raise UserError(f"{section}: no value for {', '.join(f'{section}.{k}' for k in missing)} "
-                        f"(set it on the command line, e.g. {section}.{missing[0]}=...)")
+        raise UserError(
+            f"{section}: no value for {', '.join(f'{section}.{k}' for k in missing)} "
+            f"(set it on the command line, e.g. {section}.{missing[0]}=...)"
+        )
 
 
 def load_section(cls: type[T_cfg], cfg: DictConfig, name: str) -> T_cfg:
@@ -232,6 +234,16 @@ def load_section(cls: type[T_cfg], cfg: DictConfig, name: str) -> T_cfg:
 
 
 __all__ = [
-    "ATTN_IMPLS", "CE_TARGETS", "DISTRIBUTION_TERMS", "DTYPES", "MARKOV_TYPES", "Checked", "DraftConfig",
-    "LossConfig", "TargetConfig", "default_target_name", "load_section", "to_dataclass",
+    "ATTN_IMPLS",
+    "CE_TARGETS",
+    "DISTRIBUTION_TERMS",
+    "DTYPES",
+    "MARKOV_TYPES",
+    "Checked",
+    "DraftConfig",
+    "LossConfig",
+    "TargetConfig",
+    "default_target_name",
+    "load_section",
+    "to_dataclass",
 ]

@@ -65,8 +65,10 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
             except OSError as err:
                 if err.errno not in DISK_FULL:
                     raise
-                fail(f"{err} - the disk where the stage writes is full: what was committed is kept; "
-                     "free space (or raise the quota) and rerun the same command to continue")
+                fail(
+                    f"{err} - the disk where the stage writes is full: what was committed is kept; "
+                    "free space (or raise the quota) and rerun the same command to continue"
+                )
 
         hydra_main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)(guarded)
 

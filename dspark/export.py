@@ -54,8 +54,7 @@ def speculators_config(model: DSparkDraft, verifier_name_or_path: str):
             algorithm="dspark",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.block_size)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=verifier_name_or_path,
-                                    architectures=model.verifier_architectures),
+            verifier=VerifierConfig(name_or_path=verifier_name_or_path, architectures=model.verifier_architectures),
         ),
     )
 
@@ -63,22 +62,27 @@ def speculators_config(model: DSparkDraft, verifier_name_or_path: str):
 def drafter_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
     """The tensors a drafter checkpoint holds (speculators' names)."""
     if model.d2t is not None and not model.verifier_loaded:
-        raise RuntimeError("a reduced-vocabulary draft needs load_verifier(...) before export "
-                           "(its lm_head rows come from the verifier)")
+        raise RuntimeError(
+            "a reduced-vocabulary draft needs load_verifier(...) before export "
+            "(its lm_head rows come from the verifier)"
+        )
     skip = model.verifier_owned()
     return {name: t.detach().contiguous() for name, t in model.state_dict().items() if name not in skip}
 
 
-def export_drafter(model: DSparkDraft, out_dir, verifier_name_or_path: str,
-                   extra_meta: dict | None = None) -> Path:
+def export_drafter(model: DSparkDraft, out_dir, verifier_name_or_path: str, extra_meta: dict | None = None) -> Path:
     """Write a speculators-format drafter directory; replaces `out_dir` only once complete."""
     out_dir = Path(out_dir)
     if model.cfg.markov_rank > 0 and model.cfg.markov_type != "vanilla":
-        warnings.warn(f"vLLM serves only the vanilla Markov head; this draft uses {model.cfg.markov_type!r}",
-                      stacklevel=2)
+        warnings.warn(
+            f"vLLM serves only the vanilla Markov head; this draft uses {model.cfg.markov_type!r}", stacklevel=2
+        )
     if model.cfg.causal_in_block and model.cfg.sliding_window is None:
-        warnings.warn("causal_in_block with full attention: vLLM honours it (is_causal), but speculators' "
-                      "own DSparkDraftModel treats full-attention layers as bidirectional", stacklevel=2)
+        warnings.warn(
+            "causal_in_block with full attention: vLLM honours it (is_causal), but speculators' "
+            "own DSparkDraftModel treats full-attention layers as bidirectional",
+            stacklevel=2,
+        )
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -128,22 +132,32 @@ def load_drafter(path, verifier: VerifierHead | None = None, attn_impl: str = "s
     path = Path(path)
     config = SpeculatorModelConfig.from_pretrained(path)
     if config.speculators_model_type != "dspark":
-        raise ValueError(f"{path / CONFIG_FILE}: `speculators_model_type` is "
-                         f"{config.speculators_model_type!r}, expected 'dspark'")
+        raise ValueError(
+            f"{path / CONFIG_FILE}: `speculators_model_type` is {config.speculators_model_type!r}, expected 'dspark'"
+        )
     if not config.sample_from_anchor:
-        raise ValueError(f"{path / CONFIG_FILE}: `sample_from_anchor` is false (bonus-anchor layout); "
-                         f"this draft predicts token p+k+1 from slot k and needs it true")
+        raise ValueError(
+            f"{path / CONFIG_FILE}: `sample_from_anchor` is false (bonus-anchor layout); "
+            f"this draft predicts token p+k+1 from slot k and needs it true"
+        )
     if config.mask_token_id is None:
         raise ValueError(f"{path / CONFIG_FILE}: `mask_token_id` is missing")
     tensors = load_file(str(path / WEIGHTS_FILE))
-    model = DSparkDraft(_draft_config(config, attn_impl), config.transformer_layer_config,
-                        config.aux_hidden_state_layer_ids, config.mask_token_id, d2t=tensors.get("d2t"))
+    model = DSparkDraft(
+        _draft_config(config, attn_impl),
+        config.transformer_layer_config,
+        config.aux_hidden_state_layer_ids,
+        config.mask_token_id,
+        d2t=tensors.get("d2t"),
+    )
     model.verifier_architectures = list(config.speculators_config.verifier.architectures)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = sorted(set(missing) - model.verifier_owned())
     if missing or unexpected:
-        raise ValueError(f"{path / WEIGHTS_FILE} does not match the draft its config describes: "
-                         f"missing {missing}, unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"{path / WEIGHTS_FILE} does not match the draft its config describes: "
+            f"missing {missing}, unexpected {sorted(unexpected)}"
+        )
     if verifier is not None:
         model.load_verifier(verifier)
     return model

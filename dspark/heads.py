@@ -21,8 +21,7 @@ class MarkovHead(nn.Module):
     gate on `[h_k ; W1[prev]]`; `rnn` carries a gated state across the block's slots.
     """
 
-    def __init__(self, verifier_vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int,
-                 head_type: str):
+    def __init__(self, verifier_vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, head_type: str):
         super().__init__()
         self.head_type = head_type
         self.rank = rank

@@ -31,13 +31,17 @@ OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 def resolve_layers(layers: list[int], num_verifier_layers: int, num_draft_layers: int) -> list[int]:
     """Verifier layer index per draft layer (negative ids count from the end, as in Python)."""
     if len(layers) != num_draft_layers:
-        raise UserError(f"train.init_layers_from_verifier has {len(layers)} layer ids; the draft has "
-                        f"model.num_layers={num_draft_layers}: give one verifier layer per draft layer")
+        raise UserError(
+            f"train.init_layers_from_verifier has {len(layers)} layer ids; the draft has "
+            f"model.num_layers={num_draft_layers}: give one verifier layer per draft layer"
+        )
     out = [i + num_verifier_layers if i < 0 else i for i in layers]
     bad = [i for i, j in zip(layers, out) if not 0 <= j < num_verifier_layers]
     if bad:
-        raise UserError(f"train.init_layers_from_verifier: {bad} outside the verifier's "
-                        f"{num_verifier_layers} layers (use 0..{num_verifier_layers - 1} or -1..-{num_verifier_layers})")
+        raise UserError(
+            f"train.init_layers_from_verifier: {bad} outside the verifier's "
+            f"{num_verifier_layers} layers (use 0..{num_verifier_layers - 1} or -1..-{num_verifier_layers})"
+        )
     return out
 
 
@@ -49,8 +53,10 @@ def layer_tensor_names(model: DSparkDraft, weight_map: dict, layers: list[int]) 
         own = re.compile(rf"(?:^|\.)layers\.{i}\.(.+)$")
         extra = sorted({m.group(1) for m in map(own.search, weight_map) if m} - set(suffixes))
         if extra:
-            raise UserError(f"verifier layer {i} has tensors the draft layer lacks ({extra}): "
-                            "train.init_layers_from_verifier cannot copy it; use null (random init)")
+            raise UserError(
+                f"verifier layer {i} has tensors the draft layer lacks ({extra}): "
+                "train.init_layers_from_verifier cannot copy it; use null (random init)"
+            )
         for suffix in suffixes:
             found = _find(weight_map, f"layers.{i}.{suffix}")
             if found is None and suffix not in OPTIONAL:
@@ -61,8 +67,9 @@ def layer_tensor_names(model: DSparkDraft, weight_map: dict, layers: list[int]) 
 
 
 @torch.no_grad()
-def init_from_verifier(model: DSparkDraft, target_dir: str | Path, layers: list[int] | None,
-                       fc_from_last_aux: bool) -> dict[str, str]:
+def init_from_verifier(
+    model: DSparkDraft, target_dir: str | Path, layers: list[int] | None, fc_from_last_aux: bool
+) -> dict[str, str]:
     """Copy verifier decoder layers into the draft's layers and/or set `fc` to select the last
     aux layer. Returns the draft -> verifier tensor names copied."""
     copied: dict[str, str] = {}
@@ -79,8 +86,10 @@ def init_from_verifier(model: DSparkDraft, target_dir: str | Path, layers: list[
                 for ours, theirs in pairs:
                     value = f.get_tensor(theirs)
                     if value.shape != params[ours].shape:
-                        raise UserError(f"verifier tensor {theirs} is {tuple(value.shape)}, draft {ours} is "
-                                        f"{tuple(params[ours].shape)}")
+                        raise UserError(
+                            f"verifier tensor {theirs} is {tuple(value.shape)}, draft {ours} is "
+                            f"{tuple(params[ours].shape)}"
+                        )
                     params[ours].copy_(value.to(params[ours].dtype))
     if fc_from_last_aux:
         hidden = model.layer_config.hidden_size

@@ -104,14 +104,17 @@ class _ChunkObjective:
         check_draft_width(logits.shape[-1], target_logits.shape[-1], self.d2t)
         draft_ids = None if self.d2t is None else draft_target_ids(self.d2t.to(logits.device))
         if draft_ids is not None and draft_ids.numel() and int(draft_ids[-1]) >= target_logits.shape[-1]:
-            raise ValueError(f"d2t maps draft id(s) to target id {int(draft_ids[-1])}, "
-                             f"outside the verifier vocabulary of {target_logits.shape[-1]}")
+            raise ValueError(
+                f"d2t maps draft id(s) to target id {int(draft_ids[-1])}, "
+                f"outside the verifier vocabulary of {target_logits.shape[-1]}"
+            )
         dtype = wide(logits).dtype
         wm = slot_mask.to(dtype) * position_weights(slot_mask.shape[-1], self.gamma, logits.device, dtype)
         self.slot_bytes = logits.shape[-1] * logits.element_size()
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         objective, sums, alpha, out_of_vocab = VocabTerms.apply(
-            logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad)
+            logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad
+        )
         confidence, bce_sum = None, None
         if self.confidence_fn is not None:
             logit = self.confidence_fn(hidden, prev).to(alpha.dtype)

@@ -32,8 +32,7 @@ def restrict_to_draft(p_full: Tensor, d2t: Tensor | None) -> Tensor:
     ids = draft_target_ids(d2t.to(p_full.device))
     if ids.numel() and int(ids.max()) >= p_full.shape[-1]:
         raise ValueError(
-            f"d2t maps draft id(s) to target id {int(ids.max())}, "
-            f"outside the verifier vocabulary of {p_full.shape[-1]}"
+            f"d2t maps draft id(s) to target id {int(ids.max())}, outside the verifier vocabulary of {p_full.shape[-1]}"
         )
     return p_full.index_select(-1, ids)
 

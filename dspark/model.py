@@ -37,14 +37,19 @@ def draft_layer_config(verifier_config: PretrainedConfig, cfg: DraftConfig) -> Q
     head_dim = getattr(verifier_config, "head_dim", None)
     if head_dim is None:
         if hidden % heads:
-            raise ValueError(f"verifier config: `hidden_size` {hidden} is not divisible by "
-                             f"`num_attention_heads` {heads} and no `head_dim` is given")
+            raise ValueError(
+                f"verifier config: `hidden_size` {hidden} is not divisible by "
+                f"`num_attention_heads` {heads} and no `head_dim` is given"
+            )
         head_dim = hidden // heads
     if heads % kv_heads:
-        raise ValueError(f"verifier config: `num_attention_heads` {heads} is not a multiple of "
-                         f"`num_key_value_heads` {kv_heads}")
+        raise ValueError(
+            f"verifier config: `num_attention_heads` {heads} is not a multiple of `num_key_value_heads` {kv_heads}"
+        )
     rope = copy.deepcopy(getattr(verifier_config, "rope_parameters", None)) or {
-        "rope_type": "default", "rope_theta": float(getattr(verifier_config, "rope_theta", 10000.0))}
+        "rope_type": "default",
+        "rope_theta": float(getattr(verifier_config, "rope_theta", 10000.0)),
+    }
     # The draft rotates full heads; a partial-rotary verifier setting does not carry over.
     rope.pop("partial_rotary_factor", None)
     sliding = cfg.sliding_window is not None
@@ -96,8 +101,10 @@ def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int, vocab_size: int)
     if d2t is None:
         raise ValueError(f"model.draft_vocab_size={draft_vocab_size} < {vocab_size} needs the `d2t` mapping")
     if d2t.dim() != 1 or d2t.shape[0] != draft_vocab_size or d2t.dtype.is_floating_point:
-        raise ValueError(f"`d2t` must be an integer tensor of shape [{draft_vocab_size}] "
-                         f"(model.draft_vocab_size), got {d2t.dtype} {tuple(d2t.shape)}")
+        raise ValueError(
+            f"`d2t` must be an integer tensor of shape [{draft_vocab_size}] "
+            f"(model.draft_vocab_size), got {d2t.dtype} {tuple(d2t.shape)}"
+        )
     target = torch.arange(draft_vocab_size) + d2t.long().cpu()
     if target.min() < 0 or target.max() >= vocab_size or (target[1:] <= target[:-1]).any():
         raise ValueError(f"`d2t` must map draft ids to strictly increasing target ids in [0, {vocab_size})")
@@ -107,8 +114,14 @@ def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int, vocab_size: int)
 class DSparkDraft(nn.Module):
     """DSpark draft model (trainable backbone + heads around the verifier's frozen tensors)."""
 
-    def __init__(self, cfg: DraftConfig, verifier_config: PretrainedConfig, aux_layer_ids: list[int],
-                 mask_token_id: int, d2t: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        verifier_config: PretrainedConfig,
+        aux_layer_ids: list[int],
+        mask_token_id: int,
+        d2t: torch.Tensor | None = None,
+    ):
         super().__init__()
         # The values themselves were checked when `cfg` was built (DraftConfig.__post_init__).
         if cfg.attn_impl == "flex" and not torch.cuda.is_available():
@@ -144,8 +157,7 @@ class DSparkDraft(nn.Module):
         self.lm_head.weight = nn.Parameter(torch.empty(self.draft_vocab_size, hidden), requires_grad=False)
         self.fc = nn.Linear(len(self.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=eps)
-        self.layers = nn.ModuleList(DraftDecoderLayer(self.layer_config, cfg.attn_impl)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftDecoderLayer(self.layer_config, cfg.attn_impl) for _ in range(cfg.num_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=eps)
         self.rotary_emb = Qwen3RotaryEmbedding(self.layer_config)
         self.markov_head = None
@@ -191,8 +203,9 @@ class DSparkDraft(nn.Module):
                 f"for [{self.verifier_vocab_size}, {self.layer_config.hidden_size}]"
             )
         like = self.fc.weight
-        self.embed_tokens.weight = nn.Parameter(verifier.embed_tokens.weight.to(like.device, like.dtype),
-                                                requires_grad=False)
+        self.embed_tokens.weight = nn.Parameter(
+            verifier.embed_tokens.weight.to(like.device, like.dtype), requires_grad=False
+        )
         lm_head = verifier.lm_head_weight.to(like.device, like.dtype)
         if self.d2t is not None:
             lm_head = lm_head[self.target_ids.to(like.device)]
@@ -211,9 +224,15 @@ class DSparkDraft(nn.Module):
         idx = (anchors.unsqueeze(-1) + offsets).clamp(max=input_ids.shape[1] - 1)
         return input_ids.gather(1, idx.view(bsz, -1)).view(bsz, num_anchors, self.block_size)
 
-    def forward(self, context: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
-                anchor_valid: torch.Tensor, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        context: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Block hidden states [b, A, B, H] after the final norm.
 
         context [b, T, m·H] aux hidden states (ascending layer id); input_ids [b, T];
@@ -223,8 +242,10 @@ class DSparkDraft(nn.Module):
             raise RuntimeError("DSparkDraft.load_verifier(...) must run before the forward pass")
         bsz, seq_len, width = context.shape
         if width != self.fc.in_features:
-            raise ValueError(f"context has width {width}; expected {len(self.aux_layer_ids)} aux layers × "
-                             f"{self.layer_config.hidden_size} = {self.fc.in_features}")
+            raise ValueError(
+                f"context has width {width}; expected {len(self.aux_layer_ids)} aux layers × "
+                f"{self.layer_config.hidden_size} = {self.fc.in_features}"
+            )
         # Padding anchors may hold any value; their rows are discarded by the loss.
         anchors = anchors.long().clamp(0, seq_len - 1)
         x = self.embed_tokens(self.block_inputs(input_ids, anchors)).flatten(1, 2)
@@ -236,8 +257,14 @@ class DSparkDraft(nn.Module):
         cos, sin = self.rotary_emb(x, torch.cat([position_ids, block_pos], dim=1))
         if document_ids is None:
             document_ids = torch.zeros_like(input_ids)
-        layout = BlockLayout(anchors, anchor_valid.bool(), document_ids, self.block_size,
-                             self.cfg.sliding_window, self.cfg.causal_in_block)
+        layout = BlockLayout(
+            anchors,
+            anchor_valid.bool(),
+            document_ids,
+            self.block_size,
+            self.cfg.sliding_window,
+            self.cfg.causal_in_block,
+        )
         mask = layout.flex() if self.cfg.attn_impl == "flex" else layout.dense()
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, mask)

@@ -67,7 +67,7 @@ def cache_dir() -> Path:
 def resolve_target_dir(name_or_path: str, revision: str | None = None) -> Path:
     """Return a local HF model directory (config, weights, tokenizer) for `name_or_path`."""
     if name_or_path.startswith(EMBEDDED_PREFIX):
-        return _embedded_dir(name_or_path[len(EMBEDDED_PREFIX):])
+        return _embedded_dir(name_or_path[len(EMBEDDED_PREFIX) :])
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -239,8 +239,13 @@ class Target:
 
     def store_attrs(self, dtype: str = "bfloat16") -> dict:
         """The `target` root attrs of a shard store of this verifier's states stored as `dtype`."""
-        return {"name_or_path": self.name_or_path, "hidden_size": self.hidden_size,
-                "num_hidden_layers": self.num_hidden_layers, "layer_ids": self.layer_ids, "dtype": dtype}
+        return {
+            "name_or_path": self.name_or_path,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_ids": self.layer_ids,
+            "dtype": dtype,
+        }
 
     def check_store(self, attrs: dict, where: str, *, layers: bool = True) -> None:
         """Refuse (UserError naming each differing field) a store's root `attrs` made for another
@@ -248,7 +253,9 @@ class Target:
         check_store_name(attrs, self.name_or_path, where)
         wanted = {k: v for k, v in self.store_attrs().items() if k != "dtype" and (layers or k != "layer_ids")}
         found = attrs.get("target") or {}
-        wrong = [f"{k}: store has {found.get(k)!r}, this run needs {v!r}" for k, v in wanted.items() if found.get(k) != v]
+        wrong = [
+            f"{k}: store has {found.get(k)!r}, this run needs {v!r}" for k, v in wanted.items() if found.get(k) != v
+        ]
         if wrong:
             raise UserError(f"{where} holds states of another target or layers: " + "; ".join(wrong))
         if attrs.get("tokenizer_sha256") != self.tokenizer_sha256:
@@ -259,12 +266,18 @@ class Target:
         return {field: getattr(self.config, field) for field in DERIVED_FIELDS} | {"derived": dict(self.chosen)}
 
     def describe(self) -> str:
-        lines = [(f"target {self.config.name} = {self.name_or_path} ({self.model_dir}): {self.num_hidden_layers} "
-                  f"layers, hidden {self.hidden_size}, vocabulary {self.vocab_size}")]
+        lines = [
+            (
+                f"target {self.config.name} = {self.name_or_path} ({self.model_dir}): {self.num_hidden_layers} "
+                f"layers, hidden {self.hidden_size}, vocabulary {self.vocab_size}"
+            )
+        ]
         lines += [f"  {field} = {getattr(self.config, field)!r} ({self.chosen[field]})" for field in DERIVED_FIELDS]
         if self.config.preset_for not in (None, self.name_or_path):  # a preset pointed at another verifier
-            lines.append(f"WARNING: the target preset was written for {self.config.preset_for}: its values (config) "
-                         f"are kept for {self.name_or_path}; use target=auto to derive them for it")
+            lines.append(
+                f"WARNING: the target preset was written for {self.config.preset_for}: its values (config) "
+                f"are kept for {self.name_or_path}; use target=auto to derive them for it"
+            )
         return "\n".join(lines)
 
 
@@ -272,8 +285,10 @@ def check_store_name(attrs: dict, name_or_path: str, where: str) -> None:
     """The part of `Target.check_store` that needs no verifier files: the store's verifier name."""
     stored = (attrs.get("target") or {}).get("name_or_path")
     if stored != name_or_path:
-        raise UserError(f"{where} holds states of another target or layers: name_or_path: store has {stored!r}, "
-                        f"this run needs {name_or_path!r} (pick the matching target=... or store)")
+        raise UserError(
+            f"{where} holds states of another target or layers: name_or_path: store has {stored!r}, "
+            f"this run needs {name_or_path!r} (pick the matching target=... or store)"
+        )
 
 
 def dataset_target(data_dir: str | Path | None) -> dict | None:
@@ -292,8 +307,11 @@ def resolve_target(cfg: TargetConfig, recorded: dict | None = None) -> Target:
     model_dir = resolve_target_dir(cfg.name_or_path, cfg.revision)
     source = _Derivation(model_dir, _text_config_json(model_dir))
     tok_hash = tokenizer_sha256(model_dir)
-    same = bool(recorded) and recorded.get("name_or_path") == cfg.name_or_path \
+    same = (
+        bool(recorded)
+        and recorded.get("name_or_path") == cfg.name_or_path
         and recorded.get("tokenizer_sha256") == tok_hash
+    )
     values, chosen = {}, {}
     for field in DERIVED_FIELDS:
         if getattr(cfg, field) is not None:
@@ -320,8 +338,9 @@ class _Derivation:
         """`field` of config.json; a UserError naming it (and the target field to set instead) if absent."""
         if self.raw.get(field) is None:
             fix = f"; it is needed to derive target.{target_field}: set that instead" if target_field else ""
-            raise UserError(f"target.name_or_path: the verifier config {self.model_dir}/config.json has no "
-                            f"`{field}`{fix}")
+            raise UserError(
+                f"target.name_or_path: the verifier config {self.model_dir}/config.json has no `{field}`{fix}"
+            )
         return self.raw[field]
 
     @cached_property
@@ -333,8 +352,10 @@ class _Derivation:
         try:
             return AutoConfig.from_pretrained(self.model_dir).get_text_config()
         except (ValueError, OSError, KeyError) as err:
-            raise UserError(f"target.name_or_path={self.model_dir}: transformers cannot read its config.json "
-                            f"(`model_type` {self.raw.get('model_type')!r}): {err}") from err
+            raise UserError(
+                f"target.name_or_path={self.model_dir}: transformers cannot read its config.json "
+                f"(`model_type` {self.raw.get('model_type')!r}): {err}"
+            ) from err
 
     @cached_property
     def tokenizer(self):
@@ -354,8 +375,10 @@ class _Derivation:
             return tokens, f"derived: first unused embedding row (the tokenizer has {tokens} of {rows} rows)"
         pad = self.tokenizer.pad_token_id
         if pad is None:
-            raise UserError(f"target.mask_token_id: the tokenizer of {self.model_dir} fills all {rows} embedding "
-                            "rows and has no pad token; set target.mask_token_id to a token id the data never has")
+            raise UserError(
+                f"target.mask_token_id: the tokenizer of {self.model_dir} fills all {rows} embedding "
+                "rows and has no pad token; set target.mask_token_id to a token id the data never has"
+            )
         return int(pad), f"derived: the pad token {self.tokenizer.pad_token!r} (no unused embedding row)"
 
     @property
@@ -395,5 +418,14 @@ def _text_config_json(model_dir: Path) -> dict:
     return {**raw, **text} if isinstance(text, dict) else raw
 
 
-__all__ = ["DERIVED_FIELDS", "Target", "cache_dir", "check_store_name", "dataset_target", "embedded_gguf",
-           "resolve_target", "resolve_target_dir", "tokenizer_sha256"]
+__all__ = [
+    "DERIVED_FIELDS",
+    "Target",
+    "cache_dir",
+    "check_store_name",
+    "dataset_target",
+    "embedded_gguf",
+    "resolve_target",
+    "resolve_target_dir",
+    "tokenizer_sha256",
+]

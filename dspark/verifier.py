@@ -28,8 +28,7 @@ def require_field(hf_config: PretrainedConfig, field: str):
     value = getattr(hf_config, field, None)
     if value is None:
         raise ValueError(
-            f"verifier config ({getattr(hf_config, 'model_type', '?')}) has no `{field}`; "
-            f"the draft is sized from it"
+            f"verifier config ({getattr(hf_config, 'model_type', '?')}) has no `{field}`; the draft is sized from it"
         )
     return value
 
@@ -38,8 +37,7 @@ def check_model_type(hf_config: PretrainedConfig) -> str:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"verifier config `model_type` is {model_type!r}; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"verifier config `model_type` is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return model_type
 
@@ -56,9 +54,7 @@ def resolve_aux_layer_ids(hf_config: PretrainedConfig, aux_layer_ids: list[int] 
         if num_layers >= 7:
             return [2, num_layers // 2, num_layers - 3]
         if num_layers < 2:
-            raise ValueError(
-                f"verifier has {num_layers} layer(s): no layer is left for `aux_layer_ids`"
-            )
+            raise ValueError(f"verifier has {num_layers} layer(s): no layer is left for `aux_layer_ids`")
         return list(range(1, min(3, num_layers - 1) + 1))
     ids = list(aux_layer_ids)
     if not ids:
@@ -92,9 +88,7 @@ def resolve_mask_token_id(hf_config: PretrainedConfig, tokenizer_len: int, mask_
             f"to a token id the data never contains"
         )
     if not 0 <= mask_token_id < vocab_size:
-        raise ValueError(
-            f"`mask_token_id` {mask_token_id} is outside the verifier's embedding [0, {vocab_size})"
-        )
+        raise ValueError(f"`mask_token_id` {mask_token_id} is outside the verifier's embedding [0, {vocab_size})")
     return int(mask_token_id)
 
 
@@ -106,9 +100,7 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / file for name, file in weight_map.items()}
     single = model_dir / "model.safetensors"
     if not single.exists():
-        raise FileNotFoundError(
-            f"{model_dir}: no model.safetensors or model.safetensors.index.json"
-        )
+        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}
 
@@ -128,8 +120,13 @@ def _read(weight_map: dict[str, Path], name: str, dtype: torch.dtype) -> torch.T
 class VerifierHead(nn.Module):
     """The verifier's frozen embedding, final norm and lm_head (nothing else)."""
 
-    def __init__(self, config: PretrainedConfig, embed_weight: torch.Tensor, norm_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor | None):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        embed_weight: torch.Tensor,
+        norm_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor | None,
+    ):
         super().__init__()
         check_model_type(config)
         self.config = config
@@ -139,12 +136,11 @@ class VerifierHead(nn.Module):
         self.norm.weight = nn.Parameter(norm_weight, requires_grad=False)
         # Tied checkpoints share one matrix; keep it shared here too (no second copy).
         self.lm_head_weight = (
-            self.embed_tokens.weight if lm_head_weight is None
-            else nn.Parameter(lm_head_weight, requires_grad=False)
+            self.embed_tokens.weight if lm_head_weight is None else nn.Parameter(lm_head_weight, requires_grad=False)
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "VerifierHead":
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> VerifierHead:
         model_dir = Path(model_dir)
         config = AutoConfig.from_pretrained(model_dir).get_text_config()  # as dspark.targets reads it
         check_model_type(config)
@@ -155,9 +151,7 @@ class VerifierHead(nn.Module):
                 raise ValueError(f"{model_dir}: no `{key}` tensor in the safetensors files")
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if names["lm_head.weight"] is None and not tied:
-            raise ValueError(
-                f"{model_dir}: no `lm_head.weight` tensor and `tie_word_embeddings` is false"
-            )
+            raise ValueError(f"{model_dir}: no `lm_head.weight` tensor and `tie_word_embeddings` is false")
         embed = _read(weight_map, names["embed_tokens.weight"], dtype)
         norm = _read(weight_map, names["norm.weight"], dtype)
         lm_head = None if tied or names["lm_head.weight"] is None else _read(weight_map, names["lm_head.weight"], dtype)
@@ -180,6 +174,10 @@ class VerifierHead(nn.Module):
 
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "VerifierHead", "check_model_type", "require_field", "resolve_aux_layer_ids",
+    "SUPPORTED_MODEL_TYPES",
+    "VerifierHead",
+    "check_model_type",
+    "require_field",
+    "resolve_aux_layer_ids",
     "resolve_mask_token_id",
 ]

@@ -16,8 +16,11 @@ from extract.config import ServerConfig
 
 def stage_configs(cfg: DictConfig) -> tuple[TargetConfig, EvalConfig, ServerConfig]:
     """The target, eval and server sections as checked dataclasses."""
-    return (load_section(TargetConfig, cfg, "target"), load_section(EvalConfig, cfg, "eval"),
-            load_section(ServerConfig, cfg, "server"))
+    return (
+        load_section(TargetConfig, cfg, "target"),
+        load_section(EvalConfig, cfg, "eval"),
+        load_section(ServerConfig, cfg, "server"),
+    )
 
 
 def run(cfg: DictConfig) -> dict:
@@ -33,12 +36,16 @@ def headline(report: dict) -> str:
     lines = []
     if report.get("offline"):
         overall = report["offline"]["overall"]
-        lines.append(f"offline τ {overall['tau']:.3f} over {overall['blocks']} blocks; cumulative acceptance "
-                     + " ".join(f"{a:.3f}" for a in overall["cumulative"]))
+        lines.append(
+            f"offline τ {overall['tau']:.3f} over {overall['blocks']} blocks; cumulative acceptance "
+            + " ".join(f"{a:.3f}" for a in overall["cumulative"])
+        )
     if report.get("calibration"):
         c = report["calibration"]
-        lines.append(f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
-                     f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"]))
+        lines.append(
+            f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
+            f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"])
+        )
     for r in (report.get("online") or {}).get("runs", []):
         extra = f", speedup {r['speedup']:.2f}x" if "speedup" in r else ""
         extra += f", acceptance length {r['acceptance_length']:.3f}" if "acceptance_length" in r else ""

@@ -128,7 +128,9 @@ def confidence_quality(
     return {
         "per_position": per_position,
         "pooled": _scores(pred[mask], label[mask], n_bins),
-        "reliability": [reliability_curve(pred[mask[:, k], k], label[mask[:, k], k], n_bins) for k in range(mask.shape[1])],
+        "reliability": [
+            reliability_curve(pred[mask[:, k], k], label[mask[:, k], k], n_bins) for k in range(mask.shape[1])
+        ],
     }
 
 
@@ -176,7 +178,9 @@ def fit_sequential_temperatures(
             temperatures.append(1.0)
             continue
         zk, yk, pk = z[rows, k], label[rows, k], prefix[rows]
-        log_t = _minimize_log_t(lambda lt, pk=pk, zk=zk, yk=yk: nll(pk * sigmoid(zk / math.exp(lt)), yk), math.log(t_min), math.log(t_max))
+        log_t = _minimize_log_t(
+            lambda lt, pk=pk, zk=zk, yk=yk: nll(pk * sigmoid(zk / math.exp(lt)), yk), math.log(t_min), math.log(t_max)
+        )
         temperatures.append(math.exp(log_t))
         prefix = prefix * sigmoid(z[:, k] / temperatures[-1])
     return temperatures
@@ -185,7 +189,9 @@ def fit_sequential_temperatures(
 def save_calibration(path: str | Path, temperatures: list[float], meta: dict) -> Path:
     """Write the fitted temperatures beside the drafter (json: temperatures + how they were fitted)."""
     path = Path(path)
-    path.write_text(json.dumps({"method": "sequential_temperature_scaling", "temperatures": temperatures, **meta}, indent=2))
+    path.write_text(
+        json.dumps({"method": "sequential_temperature_scaling", "temperatures": temperatures, **meta}, indent=2)
+    )
     return path
 
 

@@ -62,8 +62,9 @@ def _get(d: dict | None, *keys):
 
 
 def _usage(drafter: dict) -> list[str]:
-    spec = json.dumps({"method": "dspark", "model": DRAFTER_DIR,
-                       "num_speculative_tokens": drafter.get("speculative_tokens")})
+    spec = json.dumps(
+        {"method": "dspark", "model": DRAFTER_DIR, "num_speculative_tokens": drafter.get("speculative_tokens")}
+    )
     return [
         "## Usage",
         "",
@@ -73,21 +74,43 @@ def _usage(drafter: dict) -> list[str]:
         f"vllm serve {public(drafter['verifier'], VERIFIER_PATH)} --speculative-config '{spec}'",
         "```",
         "",
-        "vLLM serves DSpark on its GPU runner. Add `\"enable_adaptive_verification\": true` to the",
+        'vLLM serves DSpark on its GPU runner. Add `"enable_adaptive_verification": true` to the',
         "speculative config to let the confidence head shorten drafts.",
         "",
     ]
 
 
 def _architecture(d: dict) -> list[str]:
-    keys = ["verifier", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "block_size", "speculative_tokens", "verifier_vocab_size", "draft_vocab_size",
-            "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "markov_rank", "markov_head_type",
-            "confidence_head", "confidence_head_with_markov", "layer_types", "sliding_window"]
-    return ["## Architecture", "", "DSpark parallel block drafter over the verifier's aux hidden states, with a "
-            "Markov (sequential) logit-bias head and a confidence head; the verifier's embedding, final norm and "
-            "lm_head are frozen and shared.", "",
-            *_table(["field", "value"], [[k, "none" if d.get(k) is None else d[k]] for k in keys])]
+    keys = [
+        "verifier",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "block_size",
+        "speculative_tokens",
+        "verifier_vocab_size",
+        "draft_vocab_size",
+        "aux_hidden_state_layer_ids",
+        "mask_token_id",
+        "sample_from_anchor",
+        "markov_rank",
+        "markov_head_type",
+        "confidence_head",
+        "confidence_head_with_markov",
+        "layer_types",
+        "sliding_window",
+    ]
+    return [
+        "## Architecture",
+        "",
+        "DSpark parallel block drafter over the verifier's aux hidden states, with a "
+        "Markov (sequential) logit-bias head and a confidence head; the verifier's embedding, final norm and "
+        "lm_head are frozen and shared.",
+        "",
+        *_table(["field", "value"], [[k, "none" if d.get(k) is None else d[k]] for k in keys]),
+    ]
 
 
 def _data(data: dict) -> list[str]:
@@ -124,24 +147,47 @@ def _offline(off: dict) -> list[str]:
         "temperature 1 (mass outside a reduced draft vocabulary counts as rejected); "
         "τ = 1 + Σ_k Π_{j≤k} α_j tokens per verifier step.",
         "",
-        *_table(["figure", "value"], [["τ", overall["tau"]], ["blocks", overall["blocks"]], ["samples", off["samples"]]]),
-        *_table(["position", "cumulative Π α", "conditional α"],
-                [[str(k + 1), c, a] for k, (c, a) in enumerate(zip(overall["cumulative"], overall["conditional"]))]),
+        *_table(
+            ["figure", "value"], [["τ", overall["tau"]], ["blocks", overall["blocks"]], ["samples", off["samples"]]]
+        ),
+        *_table(
+            ["position", "cumulative Π α", "conditional α"],
+            [[str(k + 1), c, a] for k, (c, a) in enumerate(zip(overall["cumulative"], overall["conditional"]))],
+        ),
     ]
-    for key, title in (("by_length", "sequence length"), ("by_anchor_position", "anchor position"), ("by_source", "source")):
+    for key, title in (
+        ("by_length", "sequence length"),
+        ("by_anchor_position", "anchor position"),
+        ("by_source", "source"),
+    ):
         if off.get(key):
-            out += [f"τ by {title}:", "", *_table([title, "τ", "blocks"],
-                                                   [[name, s["tau"], s["blocks"]] for name, s in off[key].items()])]
+            out += [
+                f"τ by {title}:",
+                "",
+                *_table([title, "τ", "blocks"], [[name, s["tau"], s["blocks"]] for name, s in off[key].items()]),
+            ]
     return out
 
 
 def _calibration(cal: dict) -> list[str]:
     rows = []
     for k, (b, a) in enumerate(zip(cal["before"]["per_position"], cal["after"]["per_position"])):
-        rows.append([str(k + 1), cal["temperatures"][k], b["ece"], a["ece"], b["auroc"], a["auroc"], b["brier"], a["brier"]])
+        rows.append(
+            [str(k + 1), cal["temperatures"][k], b["ece"], a["ece"], b["auroc"], a["auroc"], b["brier"], a["brier"]]
+        )
     pooled_b, pooled_a = cal["before"]["pooled"], cal["after"]["pooled"]
-    rows.append(["all", "", pooled_b["ece"], pooled_a["ece"], pooled_b["auroc"], pooled_a["auroc"],
-                 pooled_b["brier"], pooled_a["brier"]])
+    rows.append(
+        [
+            "all",
+            "",
+            pooled_b["ece"],
+            pooled_a["ece"],
+            pooled_b["auroc"],
+            pooled_a["auroc"],
+            pooled_b["brier"],
+            pooled_a["brier"],
+        ]
+    )
     return [
         "## Confidence head",
         "",
@@ -149,7 +195,9 @@ def _calibration(cal: dict) -> list[str]:
         "after per-position sequential temperature scaling (temperatures in `calibration.json`, fitted on "
         f"{fmt(cal['fit_samples'])} held-out samples, scored on the other {fmt(cal['scored_samples'])}).",
         "",
-        *_table(["position", "temperature", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS"], rows),
+        *_table(
+            ["position", "temperature", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS"], rows
+        ),
     ]
 
 
@@ -165,9 +213,14 @@ def _online(on: dict) -> list[str]:
     out += _table(["run", "tokens/s", "speedup", "acceptance length"], rows)
     for r in on["runs"]:
         if r.get("per_position_acceptance"):
-            out += [f"Per-position acceptance, {r['name']}:", "",
-                    *_table(["position", "accepted / drafts"],
-                            [[str(k + 1), v] for k, v in enumerate(r["per_position_acceptance"])])]
+            out += [
+                f"Per-position acceptance, {r['name']}:",
+                "",
+                *_table(
+                    ["position", "accepted / drafts"],
+                    [[str(k + 1), v] for k, v in enumerate(r["per_position_acceptance"])],
+                ),
+            ]
     if on.get("skipped"):
         out += [f"Skipped: {on['skipped']}.", ""]
     return out

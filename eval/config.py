@@ -113,7 +113,8 @@ class OnlineConfig(Checked):
         if self.dtype is not None:
             self.one_of("dtype", DTYPES)
         if self.num_speculative_tokens is not None and (
-                not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1):
+            not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1
+        ):
             self.refuse("num_speculative_tokens", "must be null or a non-empty list of values >= 1")
         self.positive("request_timeout_s")
 

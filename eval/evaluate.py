@@ -37,8 +37,9 @@ CALIBRATION_FILE = "calibration.json"
 CALIBRATION_LABEL = "analytic prefix acceptance Π_{j≤k} α_j (no Bernoulli sampling)"
 
 
-def load_checked(drafter_dir: str | Path, target: TargetConfig,
-                 store_url: str) -> tuple[DSparkDraft, VerifierHead, ShardStore, Path]:
+def load_checked(
+    drafter_dir: str | Path, target: TargetConfig, store_url: str
+) -> tuple[DSparkDraft, VerifierHead, ShardStore, Path]:
     """Drafter, verifier head and held-out store, refused with a clear error when they do not belong together."""
     store = open_heldout_store(store_url)
     where = f"eval.store={store.url}"
@@ -87,15 +88,28 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
 def offline_sections(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -> tuple[dict, dict | None, ShardStore]:
     """The offline and calibration report sections (and the store, for the data section)."""
     draft, verifier, store, _ = load_checked(drafter_dir, target, cfg.store)
-    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, cfg.offline.max_samples), cfg.offline,
-                            pick_device(cfg.offline.device))
+    table = evaluate_blocks(
+        draft,
+        verifier,
+        store,
+        held_out_refs(store, cfg.offline.max_samples),
+        cfg.offline,
+        pick_device(cfg.offline.device),
+    )
     offline = summarize(table, cfg.offline, read_sources(cfg.data_dir))
     calibration = calibration_section(table, cfg.calibration, cfg.offline.seed) if cfg.calibration.enabled else None
     if calibration is not None and cfg.calibration.save:
-        cal.save_calibration(drafter_dir / CALIBRATION_FILE, calibration["temperatures"],
-                             {"objective": "nll", "label": CALIBRATION_LABEL, "fit_samples": calibration["fit_samples"],
-                              "ece_before": calibration["before"]["pooled"]["ece"],
-                              "ece_after": calibration["after"]["pooled"]["ece"]})
+        cal.save_calibration(
+            drafter_dir / CALIBRATION_FILE,
+            calibration["temperatures"],
+            {
+                "objective": "nll",
+                "label": CALIBRATION_LABEL,
+                "fit_samples": calibration["fit_samples"],
+                "ece_before": calibration["before"]["pooled"]["ece"],
+                "ece_after": calibration["after"]["pooled"]["ece"],
+            },
+        )
     del draft, verifier
     gc.collect()
     if torch.cuda.is_available():
@@ -118,8 +132,11 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
     drafter_dir = Path(drafter_dir)
     info = drafter_info(drafter_dir)
     out_dir = Path(cfg.out_dir)
-    report: dict = {"drafter": info, "target": {"name": target.name, "name_or_path": target.name_or_path},
-                    "training": training_info(Path(cfg.train_run_dir or drafter_dir.parent), drafter_dir)}
+    report: dict = {
+        "drafter": info,
+        "target": {"name": target.name, "name_or_path": target.name_or_path},
+        "training": training_info(Path(cfg.train_run_dir or drafter_dir.parent), drafter_dir),
+    }
     store = None
     if cfg.offline.enabled:
         report["offline"], report["calibration"], store = offline_sections(drafter_dir, target, cfg)
@@ -127,12 +144,24 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
     report = publish(report, out_dir)
     if cfg.online.enabled:
         verifier = resolve_target(target, dataset_target(cfg.data_dir))
-        online = replace(cfg.online, max_model_len=cfg.online.max_model_len or verifier.config.max_model_len,
-                         dtype=cfg.online.dtype or verifier.config.dtype)
-        prompts = load_prompts(online.prompts_file, cfg.data_dir, online.num_prompts,
-                               online.max_model_len - online.max_tokens)
-        report["online"] = run_online(verifier.model_dir, drafter_dir, info["block_size"], prompts, online, server,
-                                      out_dir / "servers", cuda=torch.cuda.is_available())
+        online = replace(
+            cfg.online,
+            max_model_len=cfg.online.max_model_len or verifier.config.max_model_len,
+            dtype=cfg.online.dtype or verifier.config.dtype,
+        )
+        prompts = load_prompts(
+            online.prompts_file, cfg.data_dir, online.num_prompts, online.max_model_len - online.max_tokens
+        )
+        report["online"] = run_online(
+            verifier.model_dir,
+            drafter_dir,
+            info["block_size"],
+            prompts,
+            online,
+            server,
+            out_dir / "servers",
+            cuda=torch.cuda.is_available(),
+        )
         report = publish(report, out_dir)
     if cfg.write_card:
         # rendered from the report as written, so the card shows exactly the report's figures
@@ -140,5 +169,12 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
     return report
 
 
-__all__ = ["CALIBRATION_FILE", "calibration_section", "evaluate_drafter", "load_checked", "offline_sections",
-           "publish", "split_samples"]
+__all__ = [
+    "CALIBRATION_FILE",
+    "calibration_section",
+    "evaluate_drafter",
+    "load_checked",
+    "offline_sections",
+    "publish",
+    "split_samples",
+]

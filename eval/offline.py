@@ -50,8 +50,12 @@ class BlockTable:
 
     def select(self, rows: np.ndarray) -> BlockTable:
         return BlockTable(
-            self.alpha[rows], self.slot_mask[rows], None if self.conf_logits is None else self.conf_logits[rows],
-            self.sample_id[rows], self.anchor_pos[rows], self.seq_len[rows],
+            self.alpha[rows],
+            self.slot_mask[rows],
+            None if self.conf_logits is None else self.conf_logits[rows],
+            self.sample_id[rows],
+            self.anchor_pos[rows],
+            self.seq_len[rows],
         )
 
     @property
@@ -92,8 +96,9 @@ def _same_verifier(name: str, target_name_or_path: str, target_dir: Path) -> boo
     return path.is_dir() and path.resolve() == Path(target_dir).resolve()
 
 
-def check_compatible(drafter_dir: str | Path, draft: DSparkDraft, store: ShardStore,
-                     target_name_or_path: str, target_dir: Path) -> None:
+def check_compatible(
+    drafter_dir: str | Path, draft: DSparkDraft, store: ShardStore, target_name_or_path: str, target_dir: Path
+) -> None:
     """Refuse (ValueError naming what differs) a drafter that does not belong to the store and target
     (the store itself is checked against the target by `Target.check_store`)."""
     stored = store.target
@@ -104,12 +109,16 @@ def check_compatible(drafter_dir: str | Path, draft: DSparkDraft, store: ShardSt
             f"holds states of {stored.get('name_or_path')!r} ({target_dir})"
         )
     if draft.layer_config.hidden_size != stored["hidden_size"]:
-        raise ValueError(f"drafter {drafter_dir}: hidden_size {draft.layer_config.hidden_size} != the store's "
-                         f"{stored['hidden_size']}")
+        raise ValueError(
+            f"drafter {drafter_dir}: hidden_size {draft.layer_config.hidden_size} != the store's "
+            f"{stored['hidden_size']}"
+        )
     missing = sorted(set(draft.aux_layer_ids) - set(stored["layer_ids"][:-1]))
     if missing:
-        raise ValueError(f"drafter {drafter_dir} reads aux layers {draft.aux_layer_ids}; the store "
-                         f"{store.url} has no layer(s) {missing} (stored: {stored['layer_ids']})")
+        raise ValueError(
+            f"drafter {drafter_dir} reads aux layers {draft.aux_layer_ids}; the store "
+            f"{store.url} has no layer(s) {missing} (stored: {stored['layer_ids']})"
+        )
 
 
 def pick_device(name: str) -> torch.device:
@@ -136,8 +145,15 @@ def _anchors(loss_mask: torch.Tensor, sample_id: int, cfg: OfflineConfig) -> tor
 
 
 @torch.no_grad()
-def evaluate_blocks(draft: DSparkDraft, verifier: VerifierHead, store: ShardStore, refs: list[SampleRef],
-                    cfg: OfflineConfig, device: torch.device, desc: str = "offline eval") -> BlockTable:
+def evaluate_blocks(
+    draft: DSparkDraft,
+    verifier: VerifierHead,
+    store: ShardStore,
+    refs: list[SampleRef],
+    cfg: OfflineConfig,
+    device: torch.device,
+    desc: str = "offline eval",
+) -> BlockTable:
     """Score every block of the given held-out samples."""
     draft = draft.to(device).eval()
     verifier = verifier.to(device)
@@ -156,7 +172,7 @@ def evaluate_blocks(draft: DSparkDraft, verifier: VerifierHead, store: ShardStor
         mask = torch.from_numpy(sample.loss_mask.astype(bool))[None].to(device)
         all_anchors = _anchors(mask[0].cpu(), ref.sample_id, cfg).to(device)
         for start in range(0, all_anchors.numel(), cfg.anchors_per_forward):
-            anchors = all_anchors[start:start + cfg.anchors_per_forward][None]
+            anchors = all_anchors[start : start + cfg.anchors_per_forward][None]
             valid = torch.ones_like(anchors, dtype=torch.bool)
             _, target_pos, slot_mask = slot_targets(ids, mask, anchors, valid, draft.block_size)
             h = draft(context, ids, anchors, valid)[0]  # [A, B, H]
@@ -176,8 +192,11 @@ def evaluate_blocks(draft: DSparkDraft, verifier: VerifierHead, store: ShardStor
         raise ValueError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
     cat = {k: torch.cat(v).numpy() for k, v in parts.items() if v}
     return BlockTable(
-        alpha=cat["alpha"], slot_mask=cat["mask"].astype(bool), conf_logits=cat.get("conf"),
-        sample_id=cat["sid"].astype(np.int64), anchor_pos=cat["pos"].astype(np.int64),
+        alpha=cat["alpha"],
+        slot_mask=cat["mask"].astype(bool),
+        conf_logits=cat.get("conf"),
+        sample_id=cat["sid"].astype(np.int64),
+        anchor_pos=cat["pos"].astype(np.int64),
         seq_len=cat["len"].astype(np.int64),
     )
 

@@ -130,8 +130,9 @@ def load_prompts(prompts_file: str | None, data_dir: str | Path, num_prompts: in
             prompts.append(row["input_ids"][:first])
     fitting = [p for p in prompts if isinstance(p, str) or 0 < len(p) <= max_prompt_tokens]
     if not fitting:
-        raise ValueError(f"online prompts from {path}: none fits in {max_prompt_tokens} prompt tokens "
-                         f"(max_model_len − max_tokens)")
+        raise ValueError(
+            f"online prompts from {path}: none fits in {max_prompt_tokens} prompt tokens (max_model_len − max_tokens)"
+        )
     return fitting[:num_prompts]
 
 
@@ -156,8 +157,14 @@ def served_model(client: httpx.Client, url: str) -> str:
 
 def complete(client: httpx.Client, url: str, model: str, prompt, max_tokens: int, timeout_s: float) -> int:
     """One greedy completion of exactly `max_tokens` tokens; returns the tokens generated."""
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-               "temperature": 0.0, "ignore_eos": True}
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     response = client.post(f"{url}/v1/completions", json=payload, timeout=timeout_s)
     if response.status_code != 200:
         raise RuntimeError(f"{url}/v1/completions answered {response.status_code}: {response.text[:500]}")
@@ -209,7 +216,9 @@ class RunSpec:
     speculative_config: dict | None
 
 
-def plan_runs(cfg: OnlineConfig, drafter_dir: str | Path, block_size: int, cuda: bool) -> tuple[list[RunSpec], str | None]:
+def plan_runs(
+    cfg: OnlineConfig, drafter_dir: str | Path, block_size: int, cuda: bool
+) -> tuple[list[RunSpec], str | None]:
     """The baseline and the drafted runs of the sweep; plus why DSpark runs were dropped, if they were.
 
     `dspark` points `model` at the drafter; every method gets its `method_config` keys.
@@ -246,8 +255,16 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
-def run_online(verifier_dir: str | Path, drafter_dir: str | Path, block_size: int, prompts: list,
-               cfg: OnlineConfig, server_cfg: ServerConfig, work_dir: str | Path, cuda: bool) -> dict:
+def run_online(
+    verifier_dir: str | Path,
+    drafter_dir: str | Path,
+    block_size: int,
+    prompts: list,
+    cfg: OnlineConfig,
+    server_cfg: ServerConfig,
+    work_dir: str | Path,
+    cuda: bool,
+) -> dict:
     """Start one server per run (baseline first), benchmark it, stop it; the online report section."""
     runs, skipped = plan_runs(cfg, drafter_dir, block_size, cuda)
     results = []
@@ -255,14 +272,22 @@ def run_online(verifier_dir: str | Path, drafter_dir: str | Path, block_size: in
         extra = list(server_cfg.extra_args)
         if run.speculative_config is not None:
             extra += ["--speculative-config", json.dumps(run.speculative_config)]
-        server = VLLMServer(verifier_dir, Path(work_dir) / _slug(run.name), extra_args=extra, env=server_cfg.env,
-                            ready_timeout_s=server_cfg.ready_timeout_s, stop_timeout_s=server_cfg.stop_timeout_s,
-                            max_model_len=cfg.max_model_len, dtype=cfg.dtype)
+        server = VLLMServer(
+            verifier_dir,
+            Path(work_dir) / _slug(run.name),
+            extra_args=extra,
+            env=server_cfg.env,
+            ready_timeout_s=server_cfg.ready_timeout_s,
+            stop_timeout_s=server_cfg.stop_timeout_s,
+            max_model_len=cfg.max_model_len,
+            dtype=cfg.dtype,
+        )
         try:
             server.start()
         except ServerError as err:
-            raise ServerError(f"online benchmark, run {run.name!r}: the vLLM server for {verifier_dir} "
-                              f"did not become ready: {err}") from err
+            raise ServerError(
+                f"online benchmark, run {run.name!r}: the vLLM server for {verifier_dir} did not become ready: {err}"
+            ) from err
         try:
             measured = benchmark(server.url, prompts, cfg)
         finally:

@@ -48,8 +48,10 @@ def load_counts(source: str | Path, vocab_size: int) -> np.ndarray:
     if path.suffix == ".npy":
         counts = np.load(path)
         if counts.shape != (vocab_size,) or not np.issubdtype(counts.dtype, np.integer):
-            raise ValueError(f"prune.counts={path}: expected integer counts of shape [{vocab_size}], "
-                             f"got {counts.dtype} {list(counts.shape)}")
+            raise ValueError(
+                f"prune.counts={path}: expected integer counts of shape [{vocab_size}], "
+                f"got {counts.dtype} {list(counts.shape)}"
+            )
         return counts.astype(np.int64)
     if path.suffix == ".jsonl":
         ids, masks = [], []
@@ -76,7 +78,9 @@ def store_counts(url: str, vocab_size: int) -> np.ndarray:
     return count_tokens((g["token_ids"][...] for g in shards), (g["loss_mask"][...] for g in shards), vocab_size)
 
 
-def kept_token_ids(draft_ids: np.ndarray, counts: np.ndarray, draft_vocab_size: int | None, min_count: int) -> np.ndarray:
+def kept_token_ids(
+    draft_ids: np.ndarray, counts: np.ndarray, draft_vocab_size: int | None, min_count: int
+) -> np.ndarray:
     """Ascending verifier ids to keep: the most frequent of the draft's own ids (ties → smaller id)."""
     if draft_vocab_size is None:
         kept = draft_ids[counts[draft_ids] >= min_count]
@@ -84,8 +88,10 @@ def kept_token_ids(draft_ids: np.ndarray, counts: np.ndarray, draft_vocab_size: 
             raise ValueError(f"prune: no token of the draft vocabulary occurs >= {min_count} times in the counts")
         return kept
     if not 1 <= draft_vocab_size <= draft_ids.size:
-        raise ValueError(f"prune.draft_vocab_size={draft_vocab_size}: must be in [1, {draft_ids.size}] "
-                         f"(the drafter's current vocabulary)")
+        raise ValueError(
+            f"prune.draft_vocab_size={draft_vocab_size}: must be in [1, {draft_ids.size}] "
+            f"(the drafter's current vocabulary)"
+        )
     # ids outside the current draft vocabulary rank below every id inside it
     restricted = np.full_like(counts, -1)
     restricted[draft_ids] = counts[draft_ids]
@@ -106,7 +112,12 @@ def prune_drafter(src: str | Path, dst: str | Path, keep: np.ndarray, verifier_d
     draft_ids = draft_token_ids(tensors, int(config["draft_vocab_size"]), vocab_size)
     keep = np.asarray(keep, dtype=np.int64)
     rows = np.searchsorted(draft_ids, keep)
-    if keep.size == 0 or (keep[1:] <= keep[:-1]).any() or rows.max() >= draft_ids.size or (draft_ids[rows] != keep).any():
+    if (
+        keep.size == 0
+        or (keep[1:] <= keep[:-1]).any()
+        or rows.max() >= draft_ids.size
+        or (draft_ids[rows] != keep).any()
+    ):
         raise ValueError("prune: kept ids must be ascending, non-empty and inside the drafter's vocabulary")
     if LM_HEAD not in tensors:
         if verifier_dir is None:
@@ -141,7 +152,9 @@ def draft_token_ids(tensors: dict[str, torch.Tensor], draft_vocab_size: int, voc
     """Verifier id of every draft id (identity for a full-vocabulary drafter)."""
     if "d2t" not in tensors:
         if draft_vocab_size != vocab_size:
-            raise ValueError(f"draft_vocab_size {draft_vocab_size} < verifier vocabulary {vocab_size} but no d2t tensor")
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab_size} < verifier vocabulary {vocab_size} but no d2t tensor"
+            )
         return np.arange(vocab_size)
     return (torch.arange(draft_vocab_size) + tensors["d2t"].long()).numpy()
 
@@ -165,15 +178,25 @@ def run(cfg: DictConfig) -> dict:
     report = {
         "original": {"path": str(src.resolve()), "draft_vocab_size": int(draft_ids.size)},
         "pruned": {"path": str(dst.resolve()), "draft_vocab_size": int(keep.size)},
-        "counts": {"source": prune.counts, "total": int(counts.sum()),
-                   "covered_by_original": float(counts[draft_ids].sum() / max(counts.sum(), 1)),
-                   "covered_by_pruned": float(counts[keep].sum() / max(counts.sum(), 1))},
+        "counts": {
+            "source": prune.counts,
+            "total": int(counts.sum()),
+            "covered_by_original": float(counts[draft_ids].sum() / max(counts.sum(), 1)),
+            "covered_by_pruned": float(counts[keep].sum() / max(counts.sum(), 1)),
+        },
     }
     if prune.evaluate:
         for key, path in (("original", src), ("pruned", dst)):
             draft, verifier, store, _ = load_checked(path, target, eval_cfg.store)
-            table = evaluate_blocks(draft, verifier, store, held_out_refs(store, eval_cfg.offline.max_samples),
-                                    eval_cfg.offline, pick_device(eval_cfg.offline.device), desc=f"τ of {key}")
+            table = evaluate_blocks(
+                draft,
+                verifier,
+                store,
+                held_out_refs(store, eval_cfg.offline.max_samples),
+                eval_cfg.offline,
+                pick_device(eval_cfg.offline.device),
+                desc=f"τ of {key}",
+            )
             report[key]["offline"] = acceptance_summary(table.alpha, table.slot_mask)
     write_report(report, dst, PRUNE_REPORT)
     return report
@@ -193,4 +216,3 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -73,8 +73,15 @@ def plot_acceptance_by_position(report: dict, path: Path) -> Path | None:
 def plot_tau_by_bucket(report: dict, path: Path) -> Path | None:
     """τ per sequence-length bucket, anchor-position bucket and source (one panel each)."""
     offline = report.get("offline") or {}
-    groups = [(key, title) for key, title in (("by_length", "sequence length"), ("by_anchor_position", "anchor position"),
-                                             ("by_source", "source")) if offline.get(key)]
+    groups = [
+        (key, title)
+        for key, title in (
+            ("by_length", "sequence length"),
+            ("by_anchor_position", "anchor position"),
+            ("by_source", "source"),
+        )
+        if offline.get(key)
+    ]
     if not groups:
         return None
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.8), squeeze=False)

@@ -60,8 +60,10 @@ def data_info(data_dir: str | Path, store: ShardStore | None) -> dict:
     summary = _json(Path(data_dir) / "summary.json")
     if summary is not None:
         source = summary.get("source", {})
-        out["source"] = {k: source.get(k) for k in ("name", "source", "path", "rows", "usable", "selected",
-                                                     "max_turns", "eval_fraction")}
+        out["source"] = {
+            k: source.get(k)
+            for k in ("name", "source", "path", "rows", "usable", "selected", "max_turns", "eval_fraction")
+        }
         out["splits"] = summary.get("splits")
         out["regeneration"] = summary.get("regeneration")
         out["tokenize"] = summary.get("tokenize")

@@ -65,14 +65,22 @@ def main(cfg: DictConfig) -> None:
         # vLLM serves DSpark only on its V2 GPU runner; failing here beats a crash deep in the engine.
         raise SystemExit("make serve: DSpark serving needs a CUDA GPU (vLLM's V2 GPU runner); none found")
     server = VLLMServer(
-        verifier.model_dir, Path(serve_cfg.run_dir),
+        verifier.model_dir,
+        Path(serve_cfg.run_dir),
         extra_args=[*server_cfg.extra_args, "--speculative-config", json.dumps(spec)],
-        env=server_cfg.env, port=serve_cfg.port, ready_timeout_s=server_cfg.ready_timeout_s,
-        max_model_len=target.max_model_len, dtype=target.dtype, stop_timeout_s=server_cfg.stop_timeout_s,
+        env=server_cfg.env,
+        port=serve_cfg.port,
+        ready_timeout_s=server_cfg.ready_timeout_s,
+        max_model_len=target.max_model_len,
+        dtype=target.dtype,
+        stop_timeout_s=server_cfg.stop_timeout_s,
     )
     with server:
-        print(f"serving {target.name_or_path} with DSpark drafter {cfg.drafter} at {server.url}/v1 "
-              f"(log: {server.log_path}); Ctrl-C stops it", flush=True)
+        print(
+            f"serving {target.name_or_path} with DSpark drafter {cfg.drafter} at {server.url}/v1 "
+            f"(log: {server.log_path}); Ctrl-C stops it",
+            flush=True,
+        )
         while server.is_alive():
             time.sleep(1)
     raise SystemExit(f"vLLM exited; see {server.log_path}")

@@ -78,12 +78,16 @@ def check_private_dir(path: Path) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise UserError(f"staging dir {path} does not exist: extract.staging_dir must name the directory the "
-                        "extraction server stages its files in") from None
+        raise UserError(
+            f"staging dir {path} does not exist: extract.staging_dir must name the directory the "
+            "extraction server stages its files in"
+        ) from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise UserError(f"staging dir {path} must be a directory owned by this user and writable by no one "
-                        f"else (found mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): "
-                        "the client reads and deletes the files named there")
+        raise UserError(
+            f"staging dir {path} must be a directory owned by this user and writable by no one "
+            f"else (found mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}): "
+            "the client reads and deletes the files named there"
+        )
 
 
 def staged_path(answer: str, staging_dir: Path, url: str) -> str:
@@ -92,7 +96,8 @@ def staged_path(answer: str, staging_dir: Path, url: str) -> str:
     if not os.path.isabs(answer) or os.path.commonpath([real, root]) != root or real == root:
         raise UnexpectedAnswer(
             f"{url} named the staged file {answer!r}, outside the staging dir {staging_dir}: refused (the client "
-            "only opens and deletes files there; set extract.staging_dir to the server's shared_storage_path)")
+            "only opens and deletes files there; set extract.staging_dir to the server's shared_storage_path)"
+        )
     return real
 
 
@@ -105,8 +110,7 @@ def expect(condition: bool, url: str, what: str, got: object) -> None:
 class HiddenStatesClient:
     """Requests hidden states of single samples from one extraction server (an async context manager)."""
 
-    def __init__(self, url: str, model: str, *, n_layers: int, hidden_size: int, timeout_s: float,
-                 staging_dir: Path):
+    def __init__(self, url: str, model: str, *, n_layers: int, hidden_size: int, timeout_s: float, staging_dir: Path):
         """`staging_dir`: where the server stages files; a response naming a path elsewhere is refused."""
         self.url = url.rstrip("/")
         self.model = model
@@ -154,15 +158,24 @@ class HiddenStatesClient:
         if resp.status_code >= 500:
             raise ServerFailure(f"{where}: {self.url} failed with HTTP {resp.status_code}: {resp.text[:500]}")
         if resp.status_code != 200:
-            raise UnexpectedAnswer(f"{where}: {self.url} refused POST /v1/completions (HTTP {resp.status_code}), "
-                                   f"expected a completion from a vLLM extraction server: {resp.text[:500]}")
+            raise UnexpectedAnswer(
+                f"{where}: {self.url} refused POST /v1/completions (HTTP {resp.status_code}), "
+                f"expected a completion from a vLLM extraction server: {resp.text[:500]}"
+            )
         try:
             body = resp.json()
         except ValueError:
             body = None
         completion = "a JSON completion {'choices': [{'prompt_token_ids': [...]}], 'kv_transfer_params': {...}}"
-        expect(isinstance(body, dict) and isinstance(body.get("choices"), list) and body["choices"]
-               and isinstance(body["choices"][0], dict), self.url, completion, resp.text)
+        expect(
+            isinstance(body, dict)
+            and isinstance(body.get("choices"), list)
+            and body["choices"]
+            and isinstance(body["choices"][0], dict),
+            self.url,
+            completion,
+            resp.text,
+        )
         echoed = body["choices"][0].get("prompt_token_ids")
         if echoed != row.input_ids:
             raise ExtractionError(
@@ -199,8 +212,9 @@ class HiddenStatesClient:
                     break
                 except BlockingIOError:  # locked: still being written
                     if time.monotonic() > deadline:
-                        raise ServerFailure(f"{where}: staged file {path} not written within "
-                                            f"{self.timeout_s:.0f}s") from None
+                        raise ServerFailure(
+                            f"{where}: staged file {path} not written within {self.timeout_s:.0f}s"
+                        ) from None
                     await asyncio.sleep(LOCK_POLL_S)
                 except FileNotFoundError:
                     # The writer holds the lock until the file is complete: free lock, no file
@@ -248,8 +262,14 @@ def _first_difference(got: Sequence[int] | None, want: Sequence[int]) -> str:
 class ShardWriter:
     """Buffers extracted samples and commits them as shards of bounded size, one commit at a time."""
 
-    def __init__(self, store: ShardStore, *, shard_samples: int, shard_tokens: int,
-                 on_commit: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        store: ShardStore,
+        *,
+        shard_samples: int,
+        shard_tokens: int,
+        on_commit: Callable[[dict], None] | None = None,
+    ):
         if shard_samples < 1 or shard_tokens < 1:
             raise ValueError(f"shard_samples and shard_tokens must be >= 1, got {shard_samples}, {shard_tokens}")
         self.store = store

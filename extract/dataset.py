@@ -41,8 +41,10 @@ def check_tokenizer(data_dir: Path, tokenizer_sha256: str, target_name: str) -> 
     try:
         recorded = json.loads(path.read_text())["target"]["tokenizer_sha256"]
     except FileNotFoundError:
-        raise DatasetError(f"{path} not found: extraction needs the tokenized dataset of `python -m extract.data` "
-                           f"(make data) for this target") from None
+        raise DatasetError(
+            f"{path} not found: extraction needs the tokenized dataset of `python -m extract.data` "
+            f"(make data) for this target"
+        ) from None
     except (ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError and JSONDecodeError included
         raise DatasetError(f"{path}: no target.tokenizer_sha256 recorded ({type(err).__name__}: {err})") from err
     if recorded != tokenizer_sha256:
@@ -86,8 +88,9 @@ def read_split(data_dir: Path, name: str, *, max_tokens: int, vocab_size: int) -
             "with another max length: rerun `make data` with this target"
         )
     if not rows:
-        raise DatasetError(f"{path} has no samples: nothing to extract (drop {name!r} from extract.splits "
-                           "or rebuild the dataset)")
+        raise DatasetError(
+            f"{path} has no samples: nothing to extract (drop {name!r} from extract.splits or rebuild the dataset)"
+        )
     return Split(name, path, rows, hashlib.sha256(raw).hexdigest())
 
 
@@ -95,8 +98,10 @@ def _decoded(line: bytes, where: str) -> str:
     try:
         return line.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DatasetError(f"{where}: not UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1}); the data "
-                           "stage writes UTF-8 JSON lines: rebuild the dataset with `make data`") from None
+        raise DatasetError(
+            f"{where}: not UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1}); the data "
+            "stage writes UTF-8 JSON lines: rebuild the dataset with `make data`"
+        ) from None
 
 
 def _parse_row(line: str, where: str, vocab_size: int) -> Row:

@@ -78,8 +78,11 @@ def raw_bytes_per_token(verifier: Target) -> int:
 
 def speculative_config(layer_ids: list[int]) -> dict:
     """vLLM's hidden-states extraction mode; vLLM stores the listed layer ids, ascending."""
-    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
 
 
 def resolve_connector(setting: str, cuda: bool) -> str:
@@ -98,10 +101,14 @@ def kv_transfer_config(connector: str, staging_dir: Path) -> dict:
 
 
 def server_args(layer_ids: list[int], connector: str, staging_dir: Path, extra_args: list[str]) -> list[str]:
-    return ["--speculative-config", json.dumps(speculative_config(layer_ids)),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(connector, staging_dir)),
-            "--disable-uvicorn-access-log",  # one line per sample otherwise
-            *extra_args]
+    return [
+        "--speculative-config",
+        json.dumps(speculative_config(layer_ids)),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(connector, staging_dir)),
+        "--disable-uvicorn-access-log",  # one line per sample otherwise
+        *extra_args,
+    ]
 
 
 def deterministic_args(max_model_len: int) -> list[str]:
@@ -111,15 +118,27 @@ def deterministic_args(max_model_len: int) -> list[str]:
     the batch is made trivial instead: one sequence, no chunked prefill (a prompt is one
     forward), no prefix cache (a shared prefix is never taken from another request).
     """
-    return ["--max-num-seqs", "1", "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
-            "--max-num-batched-tokens", str(max_model_len)]
+    return [
+        "--max-num-seqs",
+        "1",
+        "--no-enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+        "--max-num-batched-tokens",
+        str(max_model_len),
+    ]
 
 
 class ServerSlot:
     """One server feeding one writer: its URL, and the way to restart it when it fails."""
 
-    def __init__(self, url: str, server: VLLMServer | None = None, staging_dir: Path | None = None,
-                 max_restarts: int = 0, executor: ThreadPoolExecutor | None = None):
+    def __init__(
+        self,
+        url: str,
+        server: VLLMServer | None = None,
+        staging_dir: Path | None = None,
+        max_restarts: int = 0,
+        executor: ThreadPoolExecutor | None = None,
+    ):
         self.url = url
         self.server = server
         self.staging_dir = staging_dir
@@ -132,12 +151,16 @@ class ServerSlot:
 
     async def restart(self, failure: ServerFailure) -> None:
         if self.server is None:
-            raise UserError(f"the extraction server at {self.url} failed ({failure}); it was not started "
-                              "by this run, so it is not restarted: fix it and rerun (committed work is kept)")
+            raise UserError(
+                f"the extraction server at {self.url} failed ({failure}); it was not started "
+                "by this run, so it is not restarted: fix it and rerun (committed work is kept)"
+            )
         log = self.server.log_path
         if self.restarts >= self.max_restarts:
-            raise ServerError(f"the vLLM server at {self.url} failed again after {self.restarts} restart(s) "
-                              f"({failure}); last lines of {log}:\n{log_tail(log)}")
+            raise ServerError(
+                f"the vLLM server at {self.url} failed again after {self.restarts} restart(s) "
+                f"({failure}); last lines of {log}:\n{log_tail(log)}"
+            )
         tqdm.write(f"server {self.url} failed ({failure}); restart {self.restarts + 1}/{self.max_restarts}")
         await asyncio.get_running_loop().run_in_executor(self.executor, self._restart)
 
@@ -161,16 +184,26 @@ def served_model(url: str) -> dict:
         with httpx.Client(timeout=30) as client:
             resp = client.get(f"{url}/v1/models")
     except httpx.TransportError as err:
-        raise UserError(f"no server answers at {url} (extract.server_url): {type(err).__name__}: {err}; start "
-                        "it, fix the URL, or set extract.server_url=null to let the stage start its own") from err
+        raise UserError(
+            f"no server answers at {url} (extract.server_url): {type(err).__name__}: {err}; start "
+            "it, fix the URL, or set extract.server_url=null to let the stage start its own"
+        ) from err
     wanted = "HTTP 200 with JSON {'data': [{'id': <model>, ...}]} from GET /v1/models"
     try:
         body = resp.json()
     except ValueError:
         body = None
     data = body.get("data") if isinstance(body, dict) else None
-    expect(resp.status_code == 200 and isinstance(data, list) and bool(data) and isinstance(data[0], dict)
-           and isinstance(data[0].get("id"), str), url, wanted, f"HTTP {resp.status_code}: {resp.text}")
+    expect(
+        resp.status_code == 200
+        and isinstance(data, list)
+        and bool(data)
+        and isinstance(data[0], dict)
+        and isinstance(data[0].get("id"), str),
+        url,
+        wanted,
+        f"HTTP {resp.status_code}: {resp.text}",
+    )
     return data[0]
 
 
@@ -182,14 +215,16 @@ def check_served_model(url: str, model: dict, verifier: Target) -> None:
         raise UserError(
             f"the server at {url} serves {model.get('id')!r} (loaded from {model.get('root')!r}), not the target "
             f"{verifier.name_or_path!r}: point extract.server_url at a server of the target, or start it with "
-            f"--served-model-name {verifier.name_or_path}")
+            f"--served-model-name {verifier.name_or_path}"
+        )
 
 
 class ManagedServers:
     """`gpus` extraction servers started together and stopped together (a context manager)."""
 
-    def __init__(self, verifier: Target, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig,
-                 scale: ScaleConfig):
+    def __init__(
+        self, verifier: Target, target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, scale: ScaleConfig
+    ):
         import torch
 
         cuda = torch.cuda.is_available()
@@ -203,7 +238,11 @@ class ManagedServers:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STAGING_RECORD).write_text(str(self.staging))
         self.run_dir = run_dir
-        extra = [*tp_args(scale.tp), *srv.extra_args, *(deterministic_args(target.max_model_len + 1) if ex.deterministic else [])]
+        extra = [
+            *tp_args(scale.tp),
+            *srv.extra_args,
+            *(deterministic_args(target.max_model_len + 1) if ex.deterministic else []),
+        ]
         # Restarts run here, not on the event loop: a restart takes minutes and the other
         # servers keep working meanwhile. The pool's threads live until every server is
         # stopped, which matters because a server dies with the thread that started it.
@@ -212,11 +251,15 @@ class ManagedServers:
         for i, env in enumerate(server_envs(scale.gpus, cuda, dict(srv.env), scale.tp)):
             staging = self.staging / f"server-{i}"
             server = VLLMServer(
-                verifier.model_dir, run_dir / "logs",
+                verifier.model_dir,
+                run_dir / "logs",
                 extra_args=server_args(verifier.layer_ids, self.connector, staging, extra),
-                env=env, ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
+                env=env,
+                ready_timeout_s=srv.ready_timeout_s,
+                stop_timeout_s=srv.stop_timeout_s,
                 # +1: a sample may fill target.max_model_len and the request adds one generated token.
-                max_model_len=target.max_model_len + 1, dtype=target.dtype,
+                max_model_len=target.max_model_len + 1,
+                dtype=target.dtype,
             )
             self.slots.append(ServerSlot(server.url, server, staging, ex.max_restarts, self.executor))
 
@@ -250,8 +293,7 @@ def remove_recorded_staging(run_dir: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if path.name.startswith("dspark-extract-") and st.st_uid == os.getuid() and path.is_dir() \
-            and not path.is_symlink():
+    if path.name.startswith("dspark-extract-") and st.st_uid == os.getuid() and path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -266,8 +308,15 @@ class Progress:
         self.tokens = 0
         self.committed_bytes = 0
         self.start = time.monotonic()
-        self.bar = tqdm(total=total, initial=done, unit="sample", desc=f"extract {split}",
-                        file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+        self.bar = tqdm(
+            total=total,
+            initial=done,
+            unit="sample",
+            desc=f"extract {split}",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
 
     def sample(self, sample) -> None:
         self.tokens += len(sample.token_ids)
@@ -292,26 +341,37 @@ def open_split_store(store_url: str, verifier: Target, split: Split, ex: Extract
     Both are part of the store's identity: a rerun with another server kind or mode is
     refused instead of mixing states of both into one store.
     """
-    return ShardStore.create_or_open(store_url, verifier.store_attrs(STORE_DTYPES[ex.store_dtype]),
-                                     verifier.tokenizer_sha256,
-                                     extra_attrs={"split": split.name, "data_sha256": split.sha256,
-                                                  "states_server": EXTERNAL if ex.server_url else MANAGED,
-                                                  "deterministic": ex.deterministic})
+    return ShardStore.create_or_open(
+        store_url,
+        verifier.store_attrs(STORE_DTYPES[ex.store_dtype]),
+        verifier.tokenizer_sha256,
+        extra_attrs={
+            "split": split.name,
+            "data_sha256": split.sha256,
+            "states_server": EXTERNAL if ex.server_url else MANAGED,
+            "deterministic": ex.deterministic,
+        },
+    )
 
 
-async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Target, ex: ExtractConfig,
-               progress: Progress) -> None:
+async def feed(
+    slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: Target, ex: ExtractConfig, progress: Progress
+) -> None:
     """Extract `rows` through one server into `store`, restarting the server when it fails."""
-    writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens,
-                         on_commit=progress.commit)
+    writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens, on_commit=progress.commit)
     model = served_model(slot.url)
     if slot.server is None:
         check_served_model(slot.url, model, verifier)
     while rows:
         try:
-            async with HiddenStatesClient(slot.url, model["id"], n_layers=len(verifier.layer_ids),
-                                          hidden_size=verifier.hidden_size, timeout_s=ex.request_timeout_s,
-                                          staging_dir=slot.staging_dir) as client:
+            async with HiddenStatesClient(
+                slot.url,
+                model["id"],
+                n_layers=len(verifier.layer_ids),
+                hidden_size=verifier.hidden_size,
+                timeout_s=ex.request_timeout_s,
+                staging_dir=slot.staging_dir,
+            ) as client:
                 await extract_rows(client, rows, writer, concurrency=ex.concurrency, on_sample=progress.sample)
         except ServerFailure as failure:
             await slot.restart(failure)
@@ -319,8 +379,15 @@ async def feed(slot: ServerSlot, rows: list[Row], store: ShardStore, verifier: T
         rows = [r for r in rows if r.sample_id not in done]
 
 
-async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str, verifier: Target,
-                        split: Split, ex: ExtractConfig, progress: Progress) -> None:
+async def extract_split(
+    slots: list[ServerSlot],
+    rows: list[Row],
+    store_url: str,
+    verifier: Target,
+    split: Split,
+    ex: ExtractConfig,
+    progress: Progress,
+) -> None:
     """Split `rows` into contiguous ranges, one per server, each written by its own writer."""
     size, extra = divmod(len(rows), len(slots))
     bounds = [i * size + min(i, extra) for i in range(len(slots) + 1)]
@@ -329,8 +396,9 @@ async def extract_split(slots: list[ServerSlot], rows: list[Row], store_url: str
         async with asyncio.TaskGroup() as group:
             for slot, part in zip(slots, ranges):
                 if part:
-                    group.create_task(feed(slot, part, open_split_store(store_url, verifier, split, ex),
-                                           verifier, ex, progress))
+                    group.create_task(
+                        feed(slot, part, open_split_store(store_url, verifier, split, ex), verifier, ex, progress)
+                    )
     except BaseExceptionGroup as failures:
         raise failures.exceptions[0] from None  # the first failure, not a group wrapper
 
@@ -348,19 +416,27 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
     """The whole stage on this node's share of the samples; returns (and writes to `run_dir`) the summary."""
     start = time.monotonic()
     if ex.server_url and scale.servers != 1:
-        raise UserError(f"extract.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
-                        f"{scale.servers} started here (server_url=null)")
+        raise UserError(
+            f"extract.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
+            f"{scale.servers} started here (server_url=null)"
+        )
     if ex.server_url and ex.deterministic:
-        raise UserError("extract.deterministic needs servers started by this run (it sets how they batch): "
-                        "set extract.server_url=null, or extract.deterministic=false for an external server")
+        raise UserError(
+            "extract.deterministic needs servers started by this run (it sets how they batch): "
+            "set extract.server_url=null, or extract.deterministic=false for an external server"
+        )
     if ex.server_url and not ex.staging_dir:
-        raise UserError("extract.server_url needs extract.staging_dir: the directory the server stages its files "
-                        "in (its kv_connector_extra_config.shared_storage_path); no other path is read or deleted")
+        raise UserError(
+            "extract.server_url needs extract.staging_dir: the directory the server stages its files "
+            "in (its kv_connector_extra_config.shared_storage_path); no other path is read or deleted"
+        )
     verifier = load_verifier(target, ex.data_dir)
     target = verifier.config  # every field filled
     check_tokenizer(Path(ex.data_dir), verifier.tokenizer_sha256, target.name_or_path)
-    splits = [read_split(Path(ex.data_dir), name, max_tokens=target.max_model_len, vocab_size=verifier.vocab_size)
-              for name in ex.splits]
+    splits = [
+        read_split(Path(ex.data_dir), name, max_tokens=target.max_model_len, vocab_size=verifier.vocab_size)
+        for name in ex.splits
+    ]
     # Several nodes write into one store: this node extracts (and summarizes) only its share.
     splits = [replace(split, rows=scale.share(split.rows, lambda row: row.sample_id)) for split in splits]
 
@@ -398,13 +474,21 @@ def run_extraction(target: TargetConfig, ex: ExtractConfig, srv: ServerConfig, s
 
     summary = {
         "target": verifier.store_attrs() | {"model_dir": str(verifier.model_dir)},
-        "gpus": scale.gpus, "tp": scale.tp, "nodes": scale.nodes, "node_rank": scale.node_rank,
-        "connector": connector, "server_url": ex.server_url, "deterministic": ex.deterministic,
-        "restarts": sum(restarts), "restarts_per_server": restarts,
+        "gpus": scale.gpus,
+        "tp": scale.tp,
+        "nodes": scale.nodes,
+        "node_rank": scale.node_rank,
+        "connector": connector,
+        "server_url": ex.server_url,
+        "deterministic": ex.deterministic,
+        "restarts": sum(restarts),
+        "restarts_per_server": restarts,
         "seconds": round(time.monotonic() - start, 2),
-        "splits": {split.name: _split_summary(split, url, todo, timings.get(split.name), verifier)
-                   for split, url, todo, _ in plan},
-    }  # fmt: skip
+        "splits": {
+            split.name: _split_summary(split, url, todo, timings.get(split.name), verifier)
+            for split, url, todo, _ in plan
+        },
+    }
     run_dir = Path(ex.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     name = SUMMARY if scale.nodes == 1 else SUMMARY.replace(".json", f".node{scale.node_rank}.json")
@@ -439,26 +523,35 @@ def _split_summary(split: Split, url: str, todo: list[Row], seconds: float | Non
     tokens_extracted = sum(len(r.input_ids) for r in todo)
     disk = store_bytes(url)
     return {
-        "store": url, "samples": len(split.rows), "tokens": n_tokens, "shards": len(store.manifest["shards"]),
-        "samples_extracted": len(todo), "tokens_extracted": tokens_extracted,
+        "store": url,
+        "samples": len(split.rows),
+        "tokens": n_tokens,
+        "shards": len(store.manifest["shards"]),
+        "samples_extracted": len(todo),
+        "tokens_extracted": tokens_extracted,
         "seconds": None if seconds is None else round(seconds, 2),
         "tokens_per_s": round(tokens_extracted / seconds, 1) if seconds else None,
         "store_bytes": disk,
         # A node whose share is empty may find a store no other node has committed to yet.
         "store_bytes_per_token": None if disk is None or not n_tokens else round(disk / n_tokens, 1),
         "raw_bytes_per_token": raw_bytes_per_token(verifier),
-    }  # fmt: skip
+    }
 
 
 def format_summary(summary: dict, path: Path) -> str:
     lines = [f"extraction summary ({path}): {summary['seconds']:.0f}s, {summary['restarts']} server restart(s)"]
     for name, s in summary["splits"].items():
         per_token = s["store_bytes_per_token"]
-        ratio = "" if per_token is None else (
-            f", {per_token:.0f} B/token on disk ({per_token / s['raw_bytes_per_token']:.2f}x raw)")
+        ratio = (
+            ""
+            if per_token is None
+            else (f", {per_token:.0f} B/token on disk ({per_token / s['raw_bytes_per_token']:.2f}x raw)")
+        )
         speed = "" if not s["seconds"] else f" in {s['seconds']:.0f}s ({s['tokens_per_s']:,.0f} tok/s)"
-        lines.append(f"  {name:5s}: {s['samples']} samples, {s['tokens']} tokens in {s['shards']} shard(s); "
-                     f"{s['samples_extracted']} extracted{speed}{ratio}")
+        lines.append(
+            f"  {name:5s}: {s['samples']} samples, {s['tokens']} tokens in {s['shards']} shard(s); "
+            f"{s['samples_extracted']} extracted{speed}{ratio}"
+        )
     return "\n".join(lines)
 
 

@@ -121,8 +121,11 @@ class Plan:
         if self.probe is None:
             return self.raw_bytes_per_token * self.todo_tokens
         new_stores = sum(1 for s in self.splits if s.todo and s.samples == len(s.todo))
-        return round(self.probe.bytes_per_token * self.todo_tokens + self.probe.bytes_per_shard * self.shards
-                     + self.probe.store_bytes * new_stores)
+        return round(
+            self.probe.bytes_per_token * self.todo_tokens
+            + self.probe.bytes_per_shard * self.shards
+            + self.probe.store_bytes * new_stores
+        )
 
     @property
     def wall_s(self) -> float | None:
@@ -144,15 +147,19 @@ class Plan:
     def format(self) -> str:
         lines = [f"plan: target {self.target}, store_dtype {self.store_dtype}, stores under {self.store_dir}"]
         for s in self.splits:
-            lines.append(f"  {s.name:8s} {s.samples:,} samples, {s.tokens:,} tokens; to extract: "
-                         f"{len(s.todo):,} samples, {s.todo_tokens:,} tokens")
+            lines.append(
+                f"  {s.name:8s} {s.samples:,} samples, {s.tokens:,} tokens; to extract: "
+                f"{len(s.todo):,} samples, {s.todo_tokens:,} tokens"
+            )
         if self.probe is None:
             lines.append(f"  store bytes: at most {_size(self.store_bytes)} (uncompressed, no probe)")
         else:
             p = self.probe
-            lines.append(f"  store bytes: ~{_size(self.store_bytes)} ({p.bytes_per_token:,.1f} B/token measured "
-                         f"on {p.samples} samples / {p.tokens:,} tokens; raw {self.raw_bytes_per_token:,} B/token; "
-                         f"{self.shards} shards)")
+            lines.append(
+                f"  store bytes: ~{_size(self.store_bytes)} ({p.bytes_per_token:,.1f} B/token measured "
+                f"on {p.samples} samples / {p.tokens:,} tokens; raw {self.raw_bytes_per_token:,} B/token; "
+                f"{self.shards} shards)"
+            )
         free = "unknown (not a local path)" if self.free_bytes is None else _size(self.free_bytes)
         verdict = {True: "fits", False: "DOES NOT FIT", None: "cannot tell"}[self.fits()]
         lines.append(f"  free space at {self.store_dir}: {free} -> {verdict}")
@@ -249,8 +256,14 @@ def hf_states(model_dir: Path, layer_ids: list[int], rows: Sequence[Row], dtype:
             for row in rows:
                 model(torch.tensor([row.input_ids]))
                 hidden = torch.stack([captured[k][0] for k in layer_ids], dim=1)  # [T, L, H]
-                samples.append(Sample(row.sample_id, np.asarray(row.input_ids, np.int32),
-                                      np.asarray(row.loss_mask, np.uint8), bf16_to_bits(hidden)))
+                samples.append(
+                    Sample(
+                        row.sample_id,
+                        np.asarray(row.input_ids, np.int32),
+                        np.asarray(row.loss_mask, np.uint8),
+                        bf16_to_bits(hidden),
+                    )
+                )
     finally:
         for hook in hooks:
             hook.remove()
@@ -279,16 +292,20 @@ def split_plans(target: Target, ex: ExtractConfig, scale: ScaleConfig) -> list[S
     check_tokenizer(Path(ex.data_dir), target.tokenizer_sha256, target.name_or_path)
     plans = []
     for name in ex.splits:
-        split = read_split(Path(ex.data_dir), name, max_tokens=target.config.max_model_len,
-                           vocab_size=target.vocab_size)
+        split = read_split(
+            Path(ex.data_dir), name, max_tokens=target.config.max_model_len, vocab_size=target.vocab_size
+        )
         rows = scale.share(split.rows, lambda row: row.sample_id)
         url = f"{ex.store_dir.rstrip('/')}/{name}"
         try:
             done = ShardStore.open(url).committed_sample_ids()
         except FileNotFoundError:
             done = set()
-        plans.append(SplitPlan(name, url, len(rows), sum(len(r.input_ids) for r in rows),
-                               [r for r in rows if r.sample_id not in done]))
+        plans.append(
+            SplitPlan(
+                name, url, len(rows), sum(len(r.input_ids) for r in rows), [r for r in rows if r.sample_id not in done]
+            )
+        )
     return plans
 
 
@@ -297,8 +314,9 @@ def make_plan(target: Target, ex: ExtractConfig, scale: ScaleConfig, cfg: PlanCo
     dtype = STORE_DTYPES[ex.store_dtype]
     splits = split_plans(target, ex, scale)
     writers = 1 if ex.server_url else scale.servers
-    shards = sum(shard_count([len(r.input_ids) for r in s.todo], ex.shard_samples, ex.shard_tokens, writers)
-                 for s in splits)
+    shards = sum(
+        shard_count([len(r.input_ids) for r in s.todo], ex.shard_samples, ex.shard_tokens, writers) for s in splits
+    )
     measured, rate, source = None, cfg.tokens_per_s, "stated: plan.tokens_per_s"
     todo = [r for s in splits for r in s.todo]
     if probe and todo:
@@ -311,8 +329,18 @@ def make_plan(target: Target, ex: ExtractConfig, scale: ScaleConfig, cfg: PlanCo
         measured = Probe(len(rows), n_tokens, per_token, per_shard, empty, n_tokens / seconds)
         if rate is None:
             rate, source = measured.forward_tokens_per_s, "the probe's transformers forward on this machine"
-    return Plan(target.name_or_path, ex.store_dtype, ex.store_dir, splits, raw_bytes_per_token(target, dtype),
-                shards, free_bytes(ex.store_dir), measured, rate, source)
+    return Plan(
+        target.name_or_path,
+        ex.store_dtype,
+        ex.store_dir,
+        splits,
+        raw_bytes_per_token(target, dtype),
+        shards,
+        free_bytes(ex.store_dir),
+        measured,
+        rate,
+        source,
+    )
 
 
 def check_space(target: Target, ex: ExtractConfig, scale: ScaleConfig, cfg: PlanConfig) -> Plan | None:

@@ -40,11 +40,14 @@ class ScaleConfig:
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.tp < 1 or self.gpus % self.tp:
-            raise UserError(f"gpus={self.gpus}, tp={self.tp}: need gpus >= 1 and tp >= 1 dividing gpus "
-                            "(gpus/tp servers of tp devices each)")
+            raise UserError(
+                f"gpus={self.gpus}, tp={self.tp}: need gpus >= 1 and tp >= 1 dividing gpus "
+                "(gpus/tp servers of tp devices each)"
+            )
         if self.nodes < 1 or not 0 <= self.node_rank < self.nodes:
-            raise UserError(f"nodes={self.nodes}, node_rank={self.node_rank}: need nodes >= 1 and "
-                            "0 <= node_rank < nodes")
+            raise UserError(
+                f"nodes={self.nodes}, node_rank={self.node_rank}: need nodes >= 1 and 0 <= node_rank < nodes"
+            )
 
     @property
     def servers(self) -> int:
@@ -72,8 +75,9 @@ def tp_args(tp: int) -> list[str]:
 def cuda_devices(devices: Sequence[str], servers: int, tp: int) -> list[str]:
     """`CUDA_VISIBLE_DEVICES` of each server: `tp` consecutive devices each."""
     if servers * tp > len(devices):
-        raise UserError(f"{servers} server(s) x tp={tp} need {servers * tp} CUDA devices, "
-                        f"but {len(devices)} are visible")
+        raise UserError(
+            f"{servers} server(s) x tp={tp} need {servers * tp} CUDA devices, but {len(devices)} are visible"
+        )
     return [",".join(devices[i * tp : (i + 1) * tp]) for i in range(servers)]
 
 
@@ -81,8 +85,10 @@ def cpu_binds(cores: Sequence[int], servers: int, tp: int) -> list[str]:
     """`VLLM_CPU_OMP_THREADS_BIND` of each server: disjoint cores, one `|`-separated group per TP rank."""
     ranks = servers * tp
     if ranks > len(cores):
-        raise UserError(f"{servers} CPU server(s) x tp={tp} need a core each per tensor-parallel rank "
-                        f"({ranks}), but only {len(cores)} are available")
+        raise UserError(
+            f"{servers} CPU server(s) x tp={tp} need a core each per tensor-parallel rank "
+            f"({ranks}), but only {len(cores)} are available"
+        )
     size, extra = divmod(len(cores), ranks)
     bounds = [i * size + min(i, extra) for i in range(ranks + 1)]
     groups = [",".join(map(str, cores[a:b])) for a, b in pairwise(bounds)]

@@ -105,8 +105,17 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         """The vLLM command line (run under the supervisor)."""
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.dtype is not None:
@@ -170,8 +179,10 @@ class VLLMServer:
                         f"starting; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
                     )
                 try:
-                    if (client.get(f"{self.url}/health").status_code == 200
-                            and client.get(f"{self.url}/v1/models").status_code == 200):
+                    if (
+                        client.get(f"{self.url}/health").status_code == 200
+                        and client.get(f"{self.url}/v1/models").status_code == 200
+                    ):
                         return
                 except httpx.TransportError:
                     pass  # not listening yet

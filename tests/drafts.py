@@ -38,8 +38,9 @@ def random_d2t(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> torch.T
     return target - torch.arange(draft_vocab_size)
 
 
-def make_draft(verifier: VerifierHead, cfg: DraftConfig, aux_layer_ids=(1, 2, 3), d2t=None,
-               seed: int = 0) -> DSparkDraft:
+def make_draft(
+    verifier: VerifierHead, cfg: DraftConfig, aux_layer_ids=(1, 2, 3), d2t=None, seed: int = 0
+) -> DSparkDraft:
     """A draft with every trainable tensor randomized (norm gains too), verifier loaded."""
     torch.manual_seed(seed)
     model = DSparkDraft(cfg, verifier.config, list(aux_layer_ids), QWEN3_MASK_TOKEN_ID, d2t=d2t)

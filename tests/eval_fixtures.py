@@ -50,14 +50,37 @@ def write_data_dir(data_dir: Path, samples, first_id: int = 0) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     with (data_dir / "eval.jsonl").open("w") as f:
         for i, (ids, mask) in enumerate(samples):
-            f.write(json.dumps({"sample_id": first_id + i, "source": SOURCES[i % 2], "split": "eval",
-                                "input_ids": ids.tolist(), "loss_mask": mask.tolist()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "sample_id": first_id + i,
+                        "source": SOURCES[i % 2],
+                        "split": "eval",
+                        "input_ids": ids.tolist(),
+                        "loss_mask": mask.tolist(),
+                    }
+                )
+                + "\n"
+            )
     summary = {
-        "source": {"name": "synthetic", "source": "jsonl", "path": None, "rows": 40, "usable": 38, "selected": 30,
-                   "max_turns": None, "eval_fraction": 0.2},
-        "splits": {"train": {"samples": 22, "tokens": 1000, "loss_tokens": 800},
-                   "eval": {"samples": len(samples), "tokens": int(sum(len(s[0]) for s in samples)),
-                            "loss_tokens": int(sum(int(s[1].sum()) for s in samples))}},
+        "source": {
+            "name": "synthetic",
+            "source": "jsonl",
+            "path": None,
+            "rows": 40,
+            "usable": 38,
+            "selected": 30,
+            "max_turns": None,
+            "eval_fraction": 0.2,
+        },
+        "splits": {
+            "train": {"samples": 22, "tokens": 1000, "loss_tokens": 800},
+            "eval": {
+                "samples": len(samples),
+                "tokens": int(sum(len(s[0]) for s in samples)),
+                "loss_tokens": int(sum(int(s[1].sum()) for s in samples)),
+            },
+        },
         "regeneration": {"enabled": True, "temperature": 0.7, "top_p": 0.8, "max_new_tokens": 128},
     }
     (data_dir / "summary.json").write_text(json.dumps(summary))
@@ -73,9 +96,16 @@ def write_run_dir(run_dir: Path, steps: int = 20) -> None:
                 f.write(json.dumps({"step": step, "split": "eval", "tau": 1.0 + step / steps}) + "\n")
 
 
-def export_tiny_drafter(verifier_dir: Path, out: Path, *, draft_vocab_size: int | None = None,
-                        verifier_name: str | None = None, seed: int = 0,
-                        mask_token_id: int = MASK_TOKEN_ID, confidence_head: bool = True) -> Path:
+def export_tiny_drafter(
+    verifier_dir: Path,
+    out: Path,
+    *,
+    draft_vocab_size: int | None = None,
+    verifier_name: str | None = None,
+    seed: int = 0,
+    mask_token_id: int = MASK_TOKEN_ID,
+    confidence_head: bool = True,
+) -> Path:
     verifier = VerifierHead.from_pretrained(verifier_dir)
     d2t = None
     if draft_vocab_size is not None:
@@ -84,11 +114,19 @@ def export_tiny_drafter(verifier_dir: Path, out: Path, *, draft_vocab_size: int 
         ids = torch.cat([torch.arange(draft_vocab_size - 48), torch.arange(1000, 1096, 2)])
         d2t = ids - torch.arange(draft_vocab_size)
     torch.manual_seed(seed)
-    cfg = DraftConfig(num_layers=2, block_size=4, draft_vocab_size=draft_vocab_size, markov_rank=8,
-                      markov_type="vanilla", confidence_head=confidence_head, confidence_head_with_markov=confidence_head,
-                      sliding_window=None, causal_in_block=False, attn_impl="sdpa")
-    model = DSparkDraft(cfg, verifier.config, list(AUX_LAYER_IDS),
-                        mask_token_id, d2t=d2t)
+    cfg = DraftConfig(
+        num_layers=2,
+        block_size=4,
+        draft_vocab_size=draft_vocab_size,
+        markov_rank=8,
+        markov_type="vanilla",
+        confidence_head=confidence_head,
+        confidence_head_with_markov=confidence_head,
+        sliding_window=None,
+        causal_in_block=False,
+        attn_impl="sdpa",
+    )
+    model = DSparkDraft(cfg, verifier.config, list(AUX_LAYER_IDS), mask_token_id, d2t=d2t)
     model.load_verifier(verifier)
     with torch.no_grad():  # random weights of a visible size (norm gains too): acceptance well inside (0, 1)
         for p in model.parameters():
@@ -101,9 +139,17 @@ def export_tiny_drafter(verifier_dir: Path, out: Path, *, draft_vocab_size: int 
 def make_verifier(out: Path, seed: int = 0) -> Path:
     """A random Qwen3 (4 layers, hidden 64, tied lm_head, 2,048-token vocabulary, real tokenizer files)."""
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # peaked next-token distributions, like a trained model's
         model.get_input_embeddings().weight.normal_(std=0.1)
@@ -125,8 +171,13 @@ def make_samples(n: int, seed: int, min_len: int = 24, max_len: int = 80, prompt
 
 
 def store_target(verifier_dir: Path, name_or_path: str | None = None) -> dict:
-    return {"name_or_path": name_or_path or str(verifier_dir), "hidden_size": 64, "num_hidden_layers": NUM_LAYERS,
-            "layer_ids": [*AUX_LAYER_IDS, NUM_LAYERS], "dtype": "bfloat16"}
+    return {
+        "name_or_path": name_or_path or str(verifier_dir),
+        "hidden_size": 64,
+        "num_hidden_layers": NUM_LAYERS,
+        "layer_ids": [*AUX_LAYER_IDS, NUM_LAYERS],
+        "dtype": "bfloat16",
+    }
 
 
 @torch.no_grad()
@@ -144,7 +195,7 @@ def write_store(url: Path, verifier_dir: Path, samples, extra_attrs: dict | None
         hidden = torch.stack([captured[k][0] for k in (*AUX_LAYER_IDS, NUM_LAYERS)], dim=1)
         rows.append(Sample(i, ids.astype(np.int32), mask, bf16_to_bits(hidden)))
     store.write_shard(rows[: len(rows) // 2])
-    store.write_shard(rows[len(rows) // 2:])
+    store.write_shard(rows[len(rows) // 2 :])
     return store
 
 
@@ -162,19 +213,22 @@ def build_setup(root: Path, n_samples: int = 8) -> EvalSetup:
 def compose_cfg(setup: EvalSetup, *overrides: str, config_name: str = "eval"):
     """The stage's real Hydra config with the setup's paths."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name=config_name, overrides=[
-            f"drafter={setup.drafter}",
-            "target.name=tiny",
-            f"target.name_or_path={setup.verifier_dir}",
-            "target.aux_layer_ids=[1,2,3]",
-            "target.max_model_len=512",
-            f"paths.root={setup.root}",
-            f"eval.store={setup.store}",
-            f"eval.data_dir={setup.data_dir}",
-            f"eval.out_dir={setup.root / 'eval'}",
-            "eval.online.enabled=false",
-            *overrides,
-        ])
+        return compose(
+            config_name=config_name,
+            overrides=[
+                f"drafter={setup.drafter}",
+                "target.name=tiny",
+                f"target.name_or_path={setup.verifier_dir}",
+                "target.aux_layer_ids=[1,2,3]",
+                "target.max_model_len=512",
+                f"paths.root={setup.root}",
+                f"eval.store={setup.store}",
+                f"eval.data_dir={setup.data_dir}",
+                f"eval.out_dir={setup.root / 'eval'}",
+                "eval.online.enabled=false",
+                *overrides,
+            ],
+        )
 
 
 def configs(cfg) -> tuple[TargetConfig, EvalConfig]:

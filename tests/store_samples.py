@@ -6,8 +6,13 @@ import numpy as np
 
 from dspark.store import Sample, ShardStore
 
-TARGET = {"name_or_path": "tiny/verifier", "hidden_size": 32, "num_hidden_layers": 4,
-          "layer_ids": [1, 3, 4], "dtype": "bfloat16"}
+TARGET = {
+    "name_or_path": "tiny/verifier",
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "layer_ids": [1, 3, 4],
+    "dtype": "bfloat16",
+}
 TOKENIZER = "ab" * 32
 EXTRA = {"data_config_sha256": "cd" * 32, "split": "train"}
 

@@ -55,7 +55,12 @@ def test_scores_match_naive(seed):
     assert cal.ece(pred, label, 7) == pytest.approx(naive_ece(pred.tolist(), label.tolist(), 7))
     assert cal.auroc(pred, label) == pytest.approx(naive_soft_auroc(pred.tolist(), label.tolist()))
     assert cal.nll(pred, label) == pytest.approx(
-        np.mean([-(y * np.log(np.clip(p, 1e-7, 1 - 1e-7)) + (1 - y) * np.log(1 - np.clip(p, 1e-7, 1 - 1e-7))) for p, y in zip(pred, label)])
+        np.mean(
+            [
+                -(y * np.log(np.clip(p, 1e-7, 1 - 1e-7)) + (1 - y) * np.log(1 - np.clip(p, 1e-7, 1 - 1e-7)))
+                for p, y in zip(pred, label)
+            ]
+        )
     )
 
 

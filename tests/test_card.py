@@ -15,14 +15,37 @@ from eval.report import read_report, write_report
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]\d+)?")
 
 ONLINE = {
-    "device": "cuda", "vllm_version": "0.32.0", "prompts": 16, "max_tokens": 256, "concurrency": 1, "skipped": None,
+    "device": "cuda",
+    "vllm_version": "0.32.0",
+    "prompts": 16,
+    "max_tokens": 256,
+    "concurrency": 1,
+    "skipped": None,
     "runs": [
-        {"name": "baseline", "speculative_config": None, "tokens_per_s": 101.25, "requests": 16, "output_tokens": 4096,
-         "seconds": 40.45, "mean_latency_s": 2.53, "server_generation_tokens": 4096},
-        {"name": "dspark k=4", "speculative_config": {"method": "dspark", "num_speculative_tokens": 4},
-         "tokens_per_s": 263.5, "speedup": 2.6024691358, "acceptance_length": 3.4117, "drafts": 1200,
-         "per_position_acceptance": [0.9125, 0.75, 0.5, 0.2492], "requests": 16, "output_tokens": 4096,
-         "seconds": 15.54, "mean_latency_s": 0.97, "server_generation_tokens": 4096},
+        {
+            "name": "baseline",
+            "speculative_config": None,
+            "tokens_per_s": 101.25,
+            "requests": 16,
+            "output_tokens": 4096,
+            "seconds": 40.45,
+            "mean_latency_s": 2.53,
+            "server_generation_tokens": 4096,
+        },
+        {
+            "name": "dspark k=4",
+            "speculative_config": {"method": "dspark", "num_speculative_tokens": 4},
+            "tokens_per_s": 263.5,
+            "speedup": 2.6024691358,
+            "acceptance_length": 3.4117,
+            "drafts": 1200,
+            "per_position_acceptance": [0.9125, 0.75, 0.5, 0.2492],
+            "requests": 16,
+            "output_tokens": 4096,
+            "seconds": 15.54,
+            "mean_latency_s": 0.97,
+            "server_generation_tokens": 4096,
+        },
     ],
 }
 

@@ -20,8 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_target(model_dir: Path) -> list[str]:
-    return ["target.name=tiny", f"target.name_or_path={model_dir}", "target.aux_layer_ids=[1,2]",
-            "target.max_model_len=64", "target.dtype=float32"]
+    return [
+        "target.name=tiny",
+        f"target.name_or_path={model_dir}",
+        "target.aux_layer_ids=[1,2]",
+        "target.max_model_len=64",
+        "target.dtype=float32",
+    ]
 
 
 def write_split(data_dir: Path, model_dir: Path | None, lines: dict[str, str]) -> Path:
@@ -42,18 +47,35 @@ def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
     tmp = tmp_path_factory.mktemp("cli")
     model = tiny_qwen3_dir
     (tmp / "empty.jsonl").write_text("")
-    extract = [sys.executable, "-m", "extract", *tiny_target(model), f"paths.root={tmp / 'run'}",
-               "server.ready_timeout_s=1"]
+    extract = [
+        sys.executable,
+        "-m",
+        "extract",
+        *tiny_target(model),
+        f"paths.root={tmp / 'run'}",
+        "server.ready_timeout_s=1",
+    ]
     return {
         "extract: missing dataset": [*extract, f"extract.data_dir={tmp / 'missing'}"],
-        "extract: empty split file": [*extract, "extract.data_dir=" + str(
-            write_split(tmp / "empty", model, {"train": GOOD_ROW, "eval": ""}))],
-        "extract: dataset made for another target": [*extract, "extract.data_dir=" + str(
-            write_split(tmp / "other", None, {"train": GOOD_ROW, "eval": GOOD_ROW}))],
+        "extract: empty split file": [
+            *extract,
+            "extract.data_dir=" + str(write_split(tmp / "empty", model, {"train": GOOD_ROW, "eval": ""})),
+        ],
+        "extract: dataset made for another target": [
+            *extract,
+            "extract.data_dir=" + str(write_split(tmp / "other", None, {"train": GOOD_ROW, "eval": GOOD_ROW})),
+        ],
         "extract: misspelt key": [*extract, "extract.sever_url=http://127.0.0.1:1"],
-        "extract.data: missing source file": [sys.executable, "-m", "extract.data", *tiny_target(model), "data=jsonl",
-                                              f"data.path={tmp / 'missing.jsonl'}", "regen.enabled=false",
-                                              f"paths.root={tmp / 'data-run'}"],
+        "extract.data: missing source file": [
+            sys.executable,
+            "-m",
+            "extract.data",
+            *tiny_target(model),
+            "data=jsonl",
+            f"data.path={tmp / 'missing.jsonl'}",
+            "regen.enabled=false",
+            f"paths.root={tmp / 'data-run'}",
+        ],
         "extract.verify: no store": [sys.executable, "-m", "extract.verify", f"store={tmp / 'no-store'}"],
         "eval: no drafter": [sys.executable, "-m", "eval", f"drafter={tmp / 'no-drafter'}", *tiny_target(model)],
         "train: unknown config group option": [sys.executable, "-m", "train", "loss=no-such-loss"],
@@ -75,8 +97,10 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def results(cases) -> dict[str, subprocess.CompletedProcess]:
     """All stage runs at once (each mostly imports; two cores overlap them)."""
-    procs = {name: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, cmd in cases.items()}
+    procs = {
+        name: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, cmd in cases.items()
+    }
     done = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
@@ -96,7 +120,8 @@ def test_user_error_is_one_line_and_exit_2(name, results):
 
 def test_unexpected_exception_keeps_its_traceback(tmp_path):
     script = tmp_path / "stage.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         from dspark.entry import stage_main
         from dspark.errors import UserError
@@ -108,7 +133,8 @@ def test_unexpected_exception_keeps_its_traceback(tmp_path):
             raise KeyError("a bug")
 
         main()
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     bug = subprocess.run([sys.executable, str(script), "store=bug"], env=env, capture_output=True, text=True)
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'a bug'" in bug.stderr, bug.stderr

@@ -22,8 +22,13 @@ from train.config import TrainConfig
 REPO = Path(__file__).resolve().parents[1]
 # Every section each stage's config holds, as the stage loads it.
 STAGE_SECTIONS = {
-    "data": {"target": TargetConfig, "data": SourceConfig, "regen": RegenConfig, "tokenize": TokenizeConfig,
-             "server": ServerConfig},
+    "data": {
+        "target": TargetConfig,
+        "data": SourceConfig,
+        "regen": RegenConfig,
+        "tokenize": TokenizeConfig,
+        "server": ServerConfig,
+    },
     "extract": {"target": TargetConfig, "extract": ExtractConfig, "server": ServerConfig},
     "train": {"target": TargetConfig, "train": TrainConfig, "model": DraftConfig, "loss": LossConfig},
     "eval": {"target": TargetConfig, "eval": EvalConfig, "server": ServerConfig},
@@ -47,28 +52,31 @@ def test_shipped_configs_pass_their_checks(overrides):
             assert isinstance(load_section(cls, cfg, name), cls)
 
 
-@pytest.mark.parametrize("stage, override, section, message", [
-    ("train", "train.lr=-1", "train", "train.lr must be > 0, got -1.0"),
-    ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),
-    ("train", "train.epochs=many", "train", "train.epochs: Value 'many'"),
-    ("train", "model.block_size=0", "model", "model.block_size must be >= 1, got 0"),
-    ("train", "model.markov_type=lstm", "model", "model.markov_type must be one of"),
-    ("train", "loss.gamma=0", "loss", "loss.gamma must be > 0, got 0.0"),
-    ("train", "+loss.weights.l1=1", "loss", "loss.weights: unknown term(s) ['l1']"),
-    ("train", "target.max_model_len=0", "target", "target.max_model_len must be null or > 0"),
-    ("data", "data.eval_fraction=1.5", "data", "data.eval_fraction must be in [0, 1]"),
-    ("data", "regen.top_p=0", "regen", "regen.top_p must be in (0, 1]"),
-    ("data", "tokenize.min_loss_tokens=-1", "tokenize", "tokenize.min_loss_tokens must be >= 0"),
-    ("data", "target.dtype=fp64", "target", "target.dtype must be one of"),
-    ("extract", "extract.connector=gpu", "extract", "extract.connector must be one of ['auto', 'cpu', 'stock']"),
-    ("extract", "extract.splits=[]", "extract", "extract.splits is empty"),
-    ("extract", "server.ready_timeout_s=0", "server", "server.ready_timeout_s must be > 0"),
-    ("eval", "eval.offline.anchors_per_forward=0", "eval", "eval.offline.anchors_per_forward must be >= 1"),
-    ("eval", "eval.calibration.fit_fraction=1", "eval", "eval.calibration.fit_fraction must be in (0, 1)"),
-    ("eval", "eval.online.dtype=fp64", "eval", "eval.online.dtype must be one of"),
-    ("serve", "serve.num_speculative_tokens=0", "serve", "serve.num_speculative_tokens must be null or >= 1"),
-    ("prune", "prune.min_count=0", "prune", "prune.min_count must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "stage, override, section, message",
+    [
+        ("train", "train.lr=-1", "train", "train.lr must be > 0, got -1.0"),
+        ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),
+        ("train", "train.epochs=many", "train", "train.epochs: Value 'many'"),
+        ("train", "model.block_size=0", "model", "model.block_size must be >= 1, got 0"),
+        ("train", "model.markov_type=lstm", "model", "model.markov_type must be one of"),
+        ("train", "loss.gamma=0", "loss", "loss.gamma must be > 0, got 0.0"),
+        ("train", "+loss.weights.l1=1", "loss", "loss.weights: unknown term(s) ['l1']"),
+        ("train", "target.max_model_len=0", "target", "target.max_model_len must be null or > 0"),
+        ("data", "data.eval_fraction=1.5", "data", "data.eval_fraction must be in [0, 1]"),
+        ("data", "regen.top_p=0", "regen", "regen.top_p must be in (0, 1]"),
+        ("data", "tokenize.min_loss_tokens=-1", "tokenize", "tokenize.min_loss_tokens must be >= 0"),
+        ("data", "target.dtype=fp64", "target", "target.dtype must be one of"),
+        ("extract", "extract.connector=gpu", "extract", "extract.connector must be one of ['auto', 'cpu', 'stock']"),
+        ("extract", "extract.splits=[]", "extract", "extract.splits is empty"),
+        ("extract", "server.ready_timeout_s=0", "server", "server.ready_timeout_s must be > 0"),
+        ("eval", "eval.offline.anchors_per_forward=0", "eval", "eval.offline.anchors_per_forward must be >= 1"),
+        ("eval", "eval.calibration.fit_fraction=1", "eval", "eval.calibration.fit_fraction must be in (0, 1)"),
+        ("eval", "eval.online.dtype=fp64", "eval", "eval.online.dtype must be one of"),
+        ("serve", "serve.num_speculative_tokens=0", "serve", "serve.num_speculative_tokens must be null or >= 1"),
+        ("prune", "prune.min_count=0", "prune", "prune.min_count must be >= 1"),
+    ],
+)
 def test_a_bad_value_is_refused_at_load_time_naming_the_field(stage, override, section, message):
     cfg = composed(stage, override)
     with pytest.raises(UserError) as refused:
@@ -81,12 +89,21 @@ def test_stages_refuse_a_bad_value_before_any_work(tmp_path):
     cases = {  # the stages start side by side: each must stop at its config (train and eval are covered
         # in process above: their imports alone take longer than the whole refusal)
         "error: data.eval_fraction must be in [0, 1], got 1.5": ["extract.data", "data.eval_fraction=1.5"],
-        "error: extract.connector must be one of ['auto', 'cpu', 'stock'], got 'gpu'": ["extract",
-                                                                                       "extract.connector=gpu"],
+        "error: extract.connector must be one of ['auto', 'cpu', 'stock'], got 'gpu'": [
+            "extract",
+            "extract.connector=gpu",
+        ],
     }
-    procs = {message: subprocess.Popen([sys.executable, "-m", *args, f"paths.root={runs}"], cwd=REPO, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for message, args in cases.items()}  # fmt: skip
+    procs = {
+        message: subprocess.Popen(
+            [sys.executable, "-m", *args, f"paths.root={runs}"],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for message, args in cases.items()
+    }
     for message, proc in procs.items():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err[-2000:]

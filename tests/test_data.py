@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import make_tiny_qwen3
 from hydra import compose, initialize_config_dir
 
-from conftest import make_tiny_qwen3
 from extract.data.__main__ import run
 from extract.data.config import SourceConfig
 from extract.data.pipeline import _cut_turns
@@ -33,10 +33,18 @@ IM_END = "<|im_end|>"
 def stage_config(tiny_dir: Path, data_dir: Path, *overrides: str):
     """The real `conf/data.yaml` composed for the tiny Qwen3 target (fp32 on CPU, thinking off)."""
     with initialize_config_dir(str(REPO / "conf"), version_base=None):
-        return compose("data", overrides=[
-            "target=qwen3-0.6b", f"target.name_or_path={tiny_dir}", "target.dtype=float32",
-            "target.max_model_len=1024", "target.aux_layer_ids=null", f"paths.data_dir={data_dir}", *overrides,
-        ])  # fmt: skip
+        return compose(
+            "data",
+            overrides=[
+                "target=qwen3-0.6b",
+                f"target.name_or_path={tiny_dir}",
+                "target.dtype=float32",
+                "target.max_model_len=1024",
+                "target.aux_layer_ids=null",
+                f"paths.data_dir={data_dir}",
+                *overrides,
+            ],
+        )
 
 
 def read_rows(data_dir: Path) -> list[dict]:
@@ -98,29 +106,37 @@ def check_mask_against_template(chat: ChatTokenizer, row: dict, messages: list[d
 
 
 def test_jsonl_bad_rows_are_reported_with_line_numbers_and_good_rows_kept(tmp_path):
-    path = write_lines(tmp_path / "p.jsonl", [
-        sharegpt("What is 2+2?", "4"),                                             # 1 ok (ShareGPT form)
-        '{"messages": [{"role": "user", "content": "Name a color."}]}',           # 2 ok (OpenAI form)
-        "{not json",                                                              # 3
-        "",                                                                       # 4 blank: no row
-        '{"conversations": []}',                                                  # 5
-        '{"messages": [{"role": "robot", "content": "beep"}]}',                   # 6
-        b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',                # 7 latin-1 byte
-        '{"messages": [{"role": "assistant", "content": "only a reply"}]}',       # 8
-        '{"messages": [{"role": "user", "content": 3}]}',                         # 9
-        '{"conversations": [{"from": "gpt", "value": "stray"}, {"from": "human", "value": "a question"}]}',  # 10 ok
-        '{"messages": [{"role": "user", "content": " \\n "}]}',                   # 11
-        sharegpt("first", "reply", "", "reply"),                                  # 12 ok: max_turns=1 cuts turn 2
-    ])  # fmt: skip
+    path = write_lines(
+        tmp_path / "p.jsonl",
+        [
+            sharegpt("What is 2+2?", "4"),  # 1 ok (ShareGPT form)
+            '{"messages": [{"role": "user", "content": "Name a color."}]}',  # 2 ok (OpenAI form)
+            "{not json",  # 3
+            "",  # 4 blank: no row
+            '{"conversations": []}',  # 5
+            '{"messages": [{"role": "robot", "content": "beep"}]}',  # 6
+            b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',  # 7 latin-1 byte
+            '{"messages": [{"role": "assistant", "content": "only a reply"}]}',  # 8
+            '{"messages": [{"role": "user", "content": 3}]}',  # 9
+            '{"conversations": [{"from": "gpt", "value": "stray"}, {"from": "human", "value": "a question"}]}',  # 10 ok
+            '{"messages": [{"role": "user", "content": " \\n "}]}',  # 11
+            sharegpt("first", "reply", "", "reply"),  # 12 ok: max_turns=1 cuts turn 2
+        ],
+    )
     data = load_source(SourceConfig("jsonl", str(path), None, "train", None, 0, 1, 0.1))
     assert data.rows == 11  # the blank line is not a row
     assert [c.sample_id for c in data.conversations] == [1, 2, 10, 12]
     assert data.conversations[2].messages == [{"role": "user", "content": "a question"}]  # leading reply dropped
     problems = data.problems.to_dict()
     assert {r: p["count"] for r, p in problems.items()} == {
-        "invalid JSON": 1, "empty conversation": 1, "unknown role": 1, "not UTF-8": 1,
-        "no user turn": 1, "malformed message": 1, "empty user message": 1,
-    }  # fmt: skip
+        "invalid JSON": 1,
+        "empty conversation": 1,
+        "unknown role": 1,
+        "not UTF-8": 1,
+        "no user turn": 1,
+        "malformed message": 1,
+        "empty user message": 1,
+    }
     assert problems["invalid JSON"]["examples"] == [
         "p.jsonl line 3: Expecting property name enclosed in double quotes at column 2"
     ]
@@ -179,8 +195,17 @@ def test_stage_without_regeneration_reports_every_drop(tiny_qwen3_dir, tmp_path)
     lines += [sharegpt("  QUESTION number 3? "), "[1, 2]", sharegpt("tiny", "ok"), sharegpt("no reply yet")]
     prompts = write_lines(tmp_path / "p.jsonl", lines)
     out = tmp_path / "out"
-    summary = run(stage_config(tiny_qwen3_dir, out, "data=jsonl", f"data.path={prompts}", "regen.enabled=false",
-                               "data.eval_fraction=0.25", "tokenize.min_loss_tokens=4"))  # fmt: skip
+    summary = run(
+        stage_config(
+            tiny_qwen3_dir,
+            out,
+            "data=jsonl",
+            f"data.path={prompts}",
+            "regen.enabled=false",
+            "data.eval_fraction=0.25",
+            "tokenize.min_loss_tokens=4",
+        )
+    )
     dropped = summary["dropped"]
     assert dropped["source"]["not a JSON object"]["examples"] == ["p.jsonl line 14: list"]
     assert {r: p["count"] for r, p in dropped["samples"].items()} == {"no assistant reply": 2, "too few loss tokens": 1}
@@ -200,10 +225,16 @@ def test_reply_length_defaults_real_runs_long_and_the_demo_short(tmp_path):
     assert max_new_tokens() == 128  # `make demo` runs the stage on its defaults: the embedded set, sized for CPU
     assert max_new_tokens("data=jsonl", "data.path=x") == max_new_tokens("data=mix") == 2048
     assert max_new_tokens("+experiment=qwen3-0.6b") == 2048
-    entries = [{"finished": [True, False, False], "max_tokens": [2048, 2048, 700]},
-               {"finished": [True, False], "max_tokens": [None, 2048]}, {"finished": [False]}]  # an older journal
-    assert _cut_turns(entries, 2048) == {"turns_cut_by_max_new_tokens": 3, "turns_cut_by_context": 1,
-                                         "tool_call_turns_kept": 1}  # fmt: skip
+    entries = [
+        {"finished": [True, False, False], "max_tokens": [2048, 2048, 700]},
+        {"finished": [True, False], "max_tokens": [None, 2048]},
+        {"finished": [False]},
+    ]  # an older journal
+    assert _cut_turns(entries, 2048) == {
+        "turns_cut_by_max_new_tokens": 3,
+        "turns_cut_by_context": 1,
+        "tool_call_turns_kept": 1,
+    }
 
 
 # ---------------------------------------------------------------- chat template and loss mask
@@ -244,8 +275,16 @@ def test_duplicates_land_in_one_split_end_to_end(tiny_qwen3_dir, tmp_path):
     reply = "A reply long enough to keep " * 3
     lines = [sharegpt(f"Prompt {i % 7}" + " " * (i % 3), reply) for i in range(28)]  # 7 prompts x 4 copies
     prompts = write_lines(tmp_path / "p.jsonl", lines)
-    run(stage_config(tiny_qwen3_dir, tmp_path / "out", "data=jsonl", f"data.path={prompts}",
-                     "regen.enabled=false", "data.eval_fraction=0.3"))  # fmt: skip
+    run(
+        stage_config(
+            tiny_qwen3_dir,
+            tmp_path / "out",
+            "data=jsonl",
+            f"data.path={prompts}",
+            "regen.enabled=false",
+            "data.eval_fraction=0.3",
+        )
+    )
     splits = {}
     for row in read_rows(tmp_path / "out"):
         splits.setdefault((row["sample_id"] - 1) % 7, set()).add(row["split"])
@@ -268,15 +307,22 @@ def test_journal_drops_a_torn_last_line(tmp_path):
 
 def test_journal_redoes_a_conversation_whose_tools_or_kept_calls_changed(tmp_path):
     call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}
-    messages = [{"role": "user", "content": "Find x."}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "content": "x is 1"}, {"role": "assistant", "content": "1"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Find x."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "x is 1"},
+        {"role": "assistant", "content": "1"},
+    ]
     conv = Conversation(1, messages, tools=[{"type": "function", "function": {"name": "lookup"}}])
     journal = Journal(tmp_path / "j.jsonl")
     journal.append({"sample_id": 1, "prompt_sha": prompt_sha(conv.messages, conv.tools)})
     other_reply = [*messages[:3], {"role": "assistant", "content": "one"}]
     assert pending([conv, replace(conv, messages=other_reply)], journal) == []  # replies are not prompts
-    other_call = [messages[0], {**messages[1], "tool_calls": [{**call, "function": {"name": "lookup",
-                  "arguments": {"q": "y"}}}]}, *messages[2:]]  # fmt: skip
+    other_call = [
+        messages[0],
+        {**messages[1], "tool_calls": [{**call, "function": {"name": "lookup", "arguments": {"q": "y"}}}]},
+        *messages[2:],
+    ]
     changed = [replace(conv, messages=other_call), replace(conv, tools=None)]
     assert pending(changed, journal) == changed
 
@@ -297,8 +343,14 @@ def vllm_url(servable_qwen3_dir, tmp_path_factory):
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     # --enforce-eager: torch.compile warm-up costs minutes on 2 busy cores and buys nothing here.
-    with VLLMServer(servable_qwen3_dir, tmp_path_factory.mktemp("vllm"), extra_args=["--enforce-eager"], env=env,
-                    max_model_len=1024, dtype="float32") as server:  # fmt: skip
+    with VLLMServer(
+        servable_qwen3_dir,
+        tmp_path_factory.mktemp("vllm"),
+        extra_args=["--enforce-eager"],
+        env=env,
+        max_model_len=1024,
+        dtype="float32",
+    ) as server:
         yield server.url
 
 
@@ -310,9 +362,18 @@ def journal_entries(data_dir: Path) -> list[dict]:
 @pytest.mark.vllm
 def test_regenerated_multi_turn_dataset_end_to_end(vllm_url, servable_qwen3_dir, tmp_path):
     out = tmp_path / "out"
-    summary = run(stage_config(servable_qwen3_dir, out, "data=mtbench", "data.max_samples=6", "data.eval_fraction=0.3",
-                               f"regen.server_url={vllm_url}", "regen.max_new_tokens=16",
-                               "tokenize.min_loss_tokens=1"))  # fmt: skip
+    summary = run(
+        stage_config(
+            servable_qwen3_dir,
+            out,
+            "data=mtbench",
+            "data.max_samples=6",
+            "data.eval_fraction=0.3",
+            f"regen.server_url={vllm_url}",
+            "regen.max_new_tokens=16",
+            "tokenize.min_loss_tokens=1",
+        )
+    )
     source = {c.sample_id: c.messages for c in load_source(mtbench(max_turns=2)).conversations}
     entries = {e["sample_id"]: e for e in journal_entries(out)}
     rows = read_rows(out)
@@ -342,12 +403,28 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(vllm_url, servable_
     n = 12
     lines = [sharegpt(f"Tell me fact {i}.", "x", f"And why {i}?") for i in range(n)]
     prompts = write_lines(tmp_path / "p.jsonl", lines)
-    args = ["data=jsonl", f"data.path={prompts}", f"regen.server_url={vllm_url}", "regen.max_new_tokens=8",
-            "regen.concurrency=3", "tokenize.min_loss_tokens=1", "data.eval_fraction=0.2"]  # fmt: skip
+    args = [
+        "data=jsonl",
+        f"data.path={prompts}",
+        f"regen.server_url={vllm_url}",
+        "regen.max_new_tokens=8",
+        "regen.concurrency=3",
+        "tokenize.min_loss_tokens=1",
+        "data.eval_fraction=0.2",
+    ]
     killed = tmp_path / "killed"
-    cli = [sys.executable, "-m", "extract.data", "target=qwen3-0.6b", f"target.name_or_path={servable_qwen3_dir}",
-           "target.dtype=float32", "target.max_model_len=1024", "target.aux_layer_ids=null", f"paths.data_dir={killed}",
-           *args]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-m",
+        "extract.data",
+        "target=qwen3-0.6b",
+        f"target.name_or_path={servable_qwen3_dir}",
+        "target.dtype=float32",
+        "target.max_model_len=1024",
+        "target.aux_layer_ids=null",
+        f"paths.data_dir={killed}",
+        *args,
+    ]
     proc = subprocess.Popen(cli, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list(killed.glob("regen-*.jsonl")) or len(journal_entries(killed)) < 3:
@@ -367,9 +444,12 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(vllm_url, servable_
 
     straight = tmp_path / "straight"
     run(stage_config(servable_qwen3_dir, straight, *args))
+
     def prompts_by_id(data_dir):
-        users = {e["sample_id"]: [m["content"] for m in e["messages"] if m["role"] == "user"]
-                 for e in journal_entries(data_dir)}  # fmt: skip
+        users = {
+            e["sample_id"]: [m["content"] for m in e["messages"] if m["role"] == "user"]
+            for e in journal_entries(data_dir)
+        }
         return {r["sample_id"]: (r["split"], users[r["sample_id"]]) for r in read_rows(data_dir)}
 
     assert prompts_by_id(killed) == prompts_by_id(straight)
@@ -380,14 +460,30 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(vllm_url, servable_
 def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_qwen3_dir, tmp_path):
     files = [write_lines(tmp_path / f"{t}.jsonl", [sharegpt(f"{t} prompt {i}?") for i in range(8)]) for t in "ab"]
     call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "c"}}}
-    tool_rows = [json.dumps({"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
-                             "messages": [{"role": "user", "content": f"c prompt {i}?"},
-                                          {"role": "assistant", "content": None, "tool_calls": [call]},
-                                          {"role": "tool", "content": f"result {i}"}]}) for i in range(8)]  # fmt: skip
+    tool_rows = [
+        json.dumps(
+            {
+                "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+                "messages": [
+                    {"role": "user", "content": f"c prompt {i}?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": f"result {i}"},
+                ],
+            }
+        )
+        for i in range(8)
+    ]
     files.append(write_lines(tmp_path / "c.jsonl", tool_rows))  # the kept call is scored, the result is context
     sources = ", ".join(f"{{source: jsonl, path: '{f}', weight: {w}}}" for f, w in zip(files, (2, 1, 1)))
-    args = ["data=mix", f"data.sources=[{sources}]", "data.max_samples=8", "data.eval_fraction=0.25",
-            f"regen.server_url={vllm_url}", "regen.max_new_tokens=4", "tokenize.min_loss_tokens=1"]  # fmt: skip
+    args = [
+        "data=mix",
+        f"data.sources=[{sources}]",
+        "data.max_samples=8",
+        "data.eval_fraction=0.25",
+        f"regen.server_url={vllm_url}",
+        "regen.max_new_tokens=4",
+        "tokenize.min_loss_tokens=1",
+    ]
     out = tmp_path / "out"
     run(stage_config(servable_qwen3_dir, out, *args))
     (journal,) = out.glob("regen-*.jsonl")
@@ -400,8 +496,9 @@ def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_q
     entries = journal_entries(out)
     assert sorted(e["sample_id"] for e in entries) == sorted(json.loads(line)["sample_id"] for line in done)
     assert entries[:3] == [json.loads(line) for line in done[:3]]  # kept, not redone
-    assert second["regeneration"]["turns_cut_by_max_new_tokens"] + second["regeneration"]["turns_cut_by_context"] \
-        == sum(not f for e in entries for f in e["finished"])  # fmt: skip
+    assert second["regeneration"]["turns_cut_by_max_new_tokens"] + second["regeneration"][
+        "turns_cut_by_context"
+    ] == sum(not f for e in entries for f in e["finished"])
     rows = {r["sample_id"]: (r["source"], r["split"]) for r in read_rows(out)}
     assert rows == first_rows and len(rows) == 8
     per_source = [sum(s == f"jsonl:{t}.jsonl" for s, _ in rows.values()) for t in "abc"]

@@ -12,8 +12,16 @@ from conftest import qwen_tokenizer_files
 from extract.data.tokenize import ChatTokenizer
 
 HEADER, END, EMPTY_THINK = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n\n</think>\n\n"
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 
 
@@ -54,8 +62,10 @@ def scored_text(chat, ids, mask):
 
 def test_thinking_on_scores_the_reasoning_as_the_template_renders_it(chats):
     chat = chats[True]
-    as_field = [{"role": "user", "content": "Is 91 prime?"},
-                {"role": "assistant", "content": "No: 91 = 7 x 13.", "reasoning_content": "\n91 / 7 = 13.\n"}]
+    as_field = [
+        {"role": "user", "content": "Is 91 prime?"},
+        {"role": "assistant", "content": "No: 91 = 7 x 13.", "reasoning_content": "\n91 / 7 = 13.\n"},
+    ]
     in_content = [as_field[0], {"role": "assistant", "content": "<think>\n91 / 7 = 13.\n</think>\n\nNo: 91 = 7 x 13."}]
     for finished in ([True], [False]):
         _, ids, mask = check(chat, as_field, finished, [0])
@@ -66,10 +76,13 @@ def test_thinking_on_scores_the_reasoning_as_the_template_renders_it(chats):
 
 def test_thinking_on_multi_turn_keeps_dropped_reasoning_as_context(chats):
     chat = chats[True]
-    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
-                {"role": "user", "content": "Times 3?"},
-                {"role": "assistant", "content": "12", "reasoning_content": "4 * 3 = 12."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+        {"role": "user", "content": "Times 3?"},
+        {"role": "assistant", "content": "12", "reasoning_content": "4 * 3 = 12."},
+    ]
     text, ids, mask = check(chat, messages, [True, True], [1])
     assert "Two and two." not in text and "4 * 3 = 12." in text  # Qwen3 drops reasoning before the last query
     assert scored_text(chat, ids, mask) == "<think>\n4 * 3 = 12.\n</think>\n\n12" + END
@@ -77,8 +90,10 @@ def test_thinking_on_multi_turn_keeps_dropped_reasoning_as_context(chats):
 
 def test_thinking_off_has_no_reasoning(chats):
     chat = chats[False]
-    messages = [{"role": "user", "content": "Is 91 prime?"},
-                {"role": "assistant", "content": "<think>\n91 / 7 = 13.\n</think>\n\nNo: 91 = 7 x 13."}]
+    messages = [
+        {"role": "user", "content": "Is 91 prime?"},
+        {"role": "assistant", "content": "<think>\n91 / 7 = 13.\n</think>\n\nNo: 91 = 7 x 13."},
+    ]
     plain = [messages[0], {"role": "assistant", "content": "No: 91 = 7 x 13."}]
     _, ids, mask = check(chat, plain, [True], [0])
     assert chat.encode(messages, [True]) == (ids, mask)  # the reasoning is removed, not rendered
@@ -89,14 +104,23 @@ def test_thinking_off_has_no_reasoning(chats):
 @pytest.mark.parametrize("thinking", [False, True])
 def test_tool_calls_are_scored_and_tool_results_are_context(chats, thinking):
     chat = chats[thinking]
-    messages = [{"role": "user", "content": "Weather in Paris and Rome?"},
-                {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "function": {
-                    "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
-                {"role": "tool", "content": '{"temp_c": 22}'}, {"role": "tool", "content": '{"temp_c": 25}'},
-                {"role": "assistant", "content": "Let me also check Oslo.", "tool_calls": [
-                    {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-                {"role": "tool", "content": '{"temp_c": 3}'},
-                {"role": "assistant", "content": "Paris 22, Rome 25, Oslo 3."}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [CALL, {**CALL, "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}],
+        },
+        {"role": "tool", "content": '{"temp_c": 22}'},
+        {"role": "tool", "content": '{"temp_c": 25}'},
+        {
+            "role": "assistant",
+            "content": "Let me also check Oslo.",
+            "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+        },
+        {"role": "tool", "content": '{"temp_c": 3}'},
+        {"role": "assistant", "content": "Paris 22, Rome 25, Oslo 3."},
+    ]
     text, ids, mask = check(chat, messages, [True, True, False], [0, 1, 2], tools=WEATHER)
     assert '"name": "get_weather"' in text.split("# Tools")[1]  # the schemas went through the template
     scored = scored_text(chat, ids, mask)

@@ -55,8 +55,18 @@ def test_killed_between_file_writes_leaves_the_old_dataset_whole(tiny_qwen3_dir,
     assert all((out / f).is_symlink() for f in FILES) and len(list((out / ".generations").iterdir())) == 1
 
     second = [f"data.path={prompts(tmp_path / 'b.jsonl', 'B', 12)}"]
-    cli = [sys.executable, "-c", KILL_AT_SUMMARY, "target=qwen3-0.6b", f"target.name_or_path={tiny_qwen3_dir}",
-           "target.aux_layer_ids=null", "target.max_model_len=1024", f"paths.data_dir={out}", *args, *second]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-c",
+        KILL_AT_SUMMARY,
+        "target=qwen3-0.6b",
+        f"target.name_or_path={tiny_qwen3_dir}",
+        "target.aux_layer_ids=null",
+        "target.max_model_len=1024",
+        f"paths.data_dir={out}",
+        *args,
+        *second,
+    ]
     proc = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     (partial,) = (out / ".generations").glob("*.partial")  # the new set was half written...
@@ -81,27 +91,51 @@ def test_quotas_follow_weights_with_largest_remainder():
 def test_mix_of_three_sources_counts_dedup_and_splits(tiny_qwen3_dir, tmp_path):
     a = prompts(tmp_path / "a.jsonl", "A", 30)
     # b repeats 6 of a's prompts (re-spaced and re-cased: same fingerprint), c repeats 4 of b's
-    b = write_lines(tmp_path / "b.jsonl", [sharegpt(f"  a QUESTION {i}? ", "dup " * 8) for i in range(6)] +
-                    [sharegpt(f"B question {i}?", "B answer " + "word " * 6) for i in range(24)])  # fmt: skip
-    c = write_lines(tmp_path / "c.jsonl", [sharegpt(f"b question {i}?", "dup " * 8) for i in range(4)] +
-                    [sharegpt(f"C question {i}?", "C answer " + "word " * 6) for i in range(26)])  # fmt: skip
-    sources = f"[{{source: jsonl, path: '{a}', weight: 2}}, {{source: jsonl, path: '{b}', weight: 1}}, " \
-              f"{{source: jsonl, path: '{c}', weight: 1}}]"  # fmt: skip
+    b = write_lines(
+        tmp_path / "b.jsonl",
+        [sharegpt(f"  a QUESTION {i}? ", "dup " * 8) for i in range(6)]
+        + [sharegpt(f"B question {i}?", "B answer " + "word " * 6) for i in range(24)],
+    )
+    c = write_lines(
+        tmp_path / "c.jsonl",
+        [sharegpt(f"b question {i}?", "dup " * 8) for i in range(4)]
+        + [sharegpt(f"C question {i}?", "C answer " + "word " * 6) for i in range(26)],
+    )
+    sources = (
+        f"[{{source: jsonl, path: '{a}', weight: 2}}, {{source: jsonl, path: '{b}', weight: 1}}, "
+        f"{{source: jsonl, path: '{c}', weight: 1}}]"
+    )
     out = tmp_path / "out"
-    summary = run(stage_config(tiny_qwen3_dir, out, "data=mix", f"data.sources={sources}", "data.max_samples=40",
-                               "data.max_turns=1", "data.eval_fraction=0.25", "regen.enabled=false",
-                               "tokenize.min_loss_tokens=1"))  # fmt: skip
+    summary = run(
+        stage_config(
+            tiny_qwen3_dir,
+            out,
+            "data=mix",
+            f"data.sources={sources}",
+            "data.max_samples=40",
+            "data.max_turns=1",
+            "data.eval_fraction=0.25",
+            "regen.enabled=false",
+            "tokenize.min_loss_tokens=1",
+        )
+    )
     parts = summary["source"]["sources"]
     assert [(p["name"], p["requested"], p["selected"], p["duplicates"]) for p in parts] == [
-        ("jsonl:a.jsonl", 20, 20, 0), ("jsonl:b.jsonl", 10, 10, 6), ("jsonl:c.jsonl", 10, 10, 4)]
+        ("jsonl:a.jsonl", 20, 20, 0),
+        ("jsonl:b.jsonl", 10, 10, 6),
+        ("jsonl:c.jsonl", 10, 10, 4),
+    ]
     assert summary["dropped"]["source"]["duplicate prompt across sources"]["count"] == 10
     rows = read_rows(out)
     assert len(rows) == 40
     by_source = {}
     for row in rows:
         by_source.setdefault(row["source"], []).append(row["sample_id"])
-    assert {s: len(ids) for s, ids in by_source.items()} == {"jsonl:a.jsonl": 20, "jsonl:b.jsonl": 10,
-                                                             "jsonl:c.jsonl": 10}  # fmt: skip
+    assert {s: len(ids) for s, ids in by_source.items()} == {
+        "jsonl:a.jsonl": 20,
+        "jsonl:b.jsonl": 10,
+        "jsonl:c.jsonl": 10,
+    }
     for index, name in enumerate(["jsonl:a.jsonl", "jsonl:b.jsonl", "jsonl:c.jsonl"]):
         assert all(i // ID_STRIDE == index for i in by_source[name])
     files = {0: a, 1: b, 2: c}

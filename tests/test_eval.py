@@ -90,7 +90,7 @@ def test_alpha_matches_naive(setup, reduced_drafter, reduced):
             naive = naive_block_alpha(draft, verifier, sample, int(table.anchor_pos[row]), layer_ids)
             assert table.slot_mask[row].sum() == len(naive)
             np.testing.assert_allclose(table.alpha[row, : len(naive)], naive, rtol=1e-4, atol=1e-6)
-            assert (table.alpha[row, len(naive):] == 0).all()
+            assert (table.alpha[row, len(naive) :] == 0).all()
             checked += 1
     assert checked >= 8
     if reduced:

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:vLLM serves only the vanilla Mar
 VARIANTS = {
     "full-vanilla": (dict(), False),
     "reduced-gated-sliding": (dict(markov_type="gated", sliding_window=6, confidence_head_with_markov=False), True),
-    "rnn-sliding-causal": (dict(markov_type="rnn", sliding_window=6, causal_in_block=True, confidence_head=False), False),
+    "rnn-sliding-causal": (
+        dict(markov_type="rnn", sliding_window=6, causal_in_block=True, confidence_head=False),
+        False,
+    ),
 }
 
 
@@ -87,7 +90,8 @@ def test_speculators_loads_export_with_same_weights_and_logits(verifier, tiny_qw
     real_compute_metrics = dspark_core.compute_metrics
     monkeypatch.setattr(dspark_core, "compute_metrics", capture)
     train_kwargs, _ = theirs.get_trainer_kwargs(
-        loss_fn='{"ce": 0.1, "tv": 0.9}', loss_implementation="eager", max_anchors=len(anchors))
+        loss_fn='{"ce": 0.1, "tv": 0.9}', loss_implementation="eager", max_anchors=len(anchors)
+    )
     with torch.no_grad():
         theirs(context, input_ids, loss_mask, torch.randn(1, T, verifier.hidden_size), document_ids, **train_kwargs)
         hidden = model(context, input_ids, anchors[None], torch.ones(1, len(anchors), dtype=torch.bool), document_ids)
@@ -99,8 +103,9 @@ def test_speculators_loads_export_with_same_weights_and_logits(verifier, tiny_qw
     assert their_logits.shape[-1] == model.draft_vocab_size
     torch.testing.assert_close(logits, their_logits, rtol=1e-4, atol=1e-4)
     if model.confidence_head is not None:
-        torch.testing.assert_close(model.confidence_logits(hidden[0], prev),
-                                   captured["confidence"].view(len(anchors), B), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model.confidence_logits(hidden[0], prev), captured["confidence"].view(len(anchors), B), rtol=1e-4, atol=1e-4
+        )
     else:
         assert captured["confidence"] is None
 
@@ -189,11 +194,14 @@ def test_export_replaces_an_old_export_whole(verifier, tiny_qwen3_dir, tmp_path)
     assert not (tmp_path / "drafter.partial").exists()
 
 
-@pytest.mark.parametrize("name, layer_attention", [
-    ("full-vanilla", (None, False)),
-    ("reduced-gated-sliding", (6, False)),
-    ("rnn-sliding-causal", (6, True)),
-])
+@pytest.mark.parametrize(
+    "name, layer_attention",
+    [
+        ("full-vanilla", (None, False)),
+        ("reduced-gated-sliding", (6, False)),
+        ("rnn-sliding-causal", (6, True)),
+    ],
+)
 def test_vllm_reads_the_exported_config(verifier, tiny_qwen3_dir, tmp_path, name, layer_attention):
     from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention
     from vllm.transformers_utils.config import maybe_override_with_speculators

@@ -43,8 +43,11 @@ TINY_AUX = [1, 2]
 TINY_LAYERS = [1, 2, 4]  # + the final layer (4 layers)
 MAX_LEN = 384
 # Servers started by the stage itself, in deterministic mode, as cheaply as possible.
-DETERMINISTIC = ("extract.deterministic=true", f"server.extra_args=[{','.join(FAST_START)}]",
-                 "server.env.VLLM_CPU_KVCACHE_SPACE=1")
+DETERMINISTIC = (
+    "extract.deterministic=true",
+    f"server.extra_args=[{','.join(FAST_START)}]",
+    "server.env.VLLM_CPU_KVCACHE_SPACE=1",
+)
 
 
 # -- data ------------------------------------------------------------------------------
@@ -65,15 +68,26 @@ def chat_rows(model_dir: Path, first_id: int, n: int) -> list[dict]:
         prompt = tok.apply_chat_template(messages[:2], tokenize=True, add_generation_prompt=True)
         ids = tok.apply_chat_template(messages, tokenize=True)
         ids, prompt = list(getattr(ids, "input_ids", ids)), list(getattr(prompt, "input_ids", prompt))
-        rows.append({"sample_id": first_id + i, "input_ids": ids,
-                     "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt))})
+        rows.append(
+            {
+                "sample_id": first_id + i,
+                "input_ids": ids,
+                "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+            }
+        )
     return rows
 
 
 def random_rows(first_id: int, lengths: list[int], vocab: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"sample_id": first_id + i, "input_ids": [rng.randrange(vocab) for _ in range(t)],
-             "loss_mask": [rng.randint(0, 1) for _ in range(t)]} for i, t in enumerate(lengths)]
+    return [
+        {
+            "sample_id": first_id + i,
+            "input_ids": [rng.randrange(vocab) for _ in range(t)],
+            "loss_mask": [rng.randint(0, 1) for _ in range(t)],
+        }
+        for i, t in enumerate(lengths)
+    ]
 
 
 def write_dataset(data_dir: Path, model_dir: Path, splits: dict[str, list[dict]]) -> Path:
@@ -87,8 +101,11 @@ def write_dataset(data_dir: Path, model_dir: Path, splits: dict[str, list[dict]]
 
 
 def read_rows(data_dir: Path) -> dict[int, dict]:
-    return {r["sample_id"]: r for split in ("train", "eval")
-            for r in map(json.loads, (data_dir / f"{split}.jsonl").read_text().splitlines())}
+    return {
+        r["sample_id"]: r
+        for split in ("train", "eval")
+        for r in map(json.loads, (data_dir / f"{split}.jsonl").read_text().splitlines())
+    }
 
 
 # -- reference: HF transformers ----------------------------------------------------------
@@ -136,8 +153,10 @@ def assert_matches_hf(store_url: Path, model_dir: Path, rows: dict[int, dict], l
         # value over a rounding boundary, and an absolute floor for values near zero.
         floor = 1e-5 * expected.abs().amax(dim=(0, 2), keepdim=True)
         bad = (stored - expected).abs() > expected.abs() * 2**-7 + floor
-        assert not bad.any(), (f"sample {ref.sample_id}: {int(bad.sum())} values beyond bf16 rounding, "
-                               f"first at {bad.nonzero()[0].tolist()}")
+        assert not bad.any(), (
+            f"sample {ref.sample_id}: {int(bad.sum())} values beyond bf16 rounding, "
+            f"first at {bad.nonzero()[0].tolist()}"
+        )
         exact += int((stored == expected.bfloat16().float()).sum())
         total += stored.numel()
     assert exact / total > 0.99, f"only {exact / total:.4f} of the values equal HF's rounded to bf16"
@@ -162,11 +181,17 @@ def assert_same_samples(a: Path, b: Path) -> None:
 def stage_overrides(model_dir: Path, root: Path, data_dir: Path, *extra: str) -> list[str]:
     aux = ",".join(map(str, TINY_AUX))
     return [
-        "target.name=tiny", f"target.name_or_path={model_dir}", f"target.aux_layer_ids=[{aux}]",
-        f"target.max_model_len={MAX_LEN}", "target.dtype=float32",
-        f"paths.root={root}", f"extract.data_dir={data_dir}",
-        "extract.shard_samples=4", "extract.concurrency=8", *extra,
-    ]  # fmt: skip
+        "target.name=tiny",
+        f"target.name_or_path={model_dir}",
+        f"target.aux_layer_ids=[{aux}]",
+        f"target.max_model_len={MAX_LEN}",
+        "target.dtype=float32",
+        f"paths.root={root}",
+        f"extract.data_dir={data_dir}",
+        "extract.shard_samples=4",
+        "extract.concurrency=8",
+        *extra,
+    ]
 
 
 def run_in_process(overrides: list[str]) -> dict:
@@ -201,8 +226,14 @@ def server(tiny_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tiny-server")
     staging = run_dir / "staging"
     staging.mkdir()
-    srv = VLLMServer(tiny_dir, run_dir, extra_args=server_args(TINY_LAYERS, "cpu", staging, FAST_START),
-                     env=SERVER_ENV, max_model_len=MAX_LEN + 1, dtype="float32")
+    srv = VLLMServer(
+        tiny_dir,
+        run_dir,
+        extra_args=server_args(TINY_LAYERS, "cpu", staging, FAST_START),
+        env=SERVER_ENV,
+        max_model_len=MAX_LEN + 1,
+        dtype="float32",
+    )
     with srv:
         srv.staging = staging
         yield srv
@@ -212,8 +243,11 @@ def server(tiny_dir, tmp_path_factory):
 def reference(tmp_path_factory, tiny_dir, tiny_data, server) -> tuple[Path, dict]:
     """An uninterrupted stage run against the module server: (root, summary)."""
     root = tmp_path_factory.mktemp("reference")
-    summary = run_in_process(stage_overrides(tiny_dir, root, tiny_data, f"extract.server_url={server.url}",
-                                             f"extract.staging_dir={server.staging}"))
+    summary = run_in_process(
+        stage_overrides(
+            tiny_dir, root, tiny_data, f"extract.server_url={server.url}", f"extract.staging_dir={server.staging}"
+        )
+    )
     return root, summary
 
 
@@ -235,8 +269,13 @@ def test_stored_states_equal_transformers_hidden_states(reference, tiny_dir, tin
         url = root / "store" / split
         store = ShardStore.open(url)
         assert store.verify() == []
-        assert store.target == {"name_or_path": str(tiny_dir), "hidden_size": 128, "num_hidden_layers": 4,
-                                "layer_ids": TINY_LAYERS, "dtype": "bfloat16"}
+        assert store.target == {
+            "name_or_path": str(tiny_dir),
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "layer_ids": TINY_LAYERS,
+            "dtype": "bfloat16",
+        }
         assert store.attrs["split"] == split
         assert (store.attrs["states_server"], store.attrs["deterministic"]) == ("external, unverified", False)
         assert store.attrs["tokenizer_sha256"] == tokenizer_sha256(tiny_dir)
@@ -254,8 +293,11 @@ def test_rerun_of_a_complete_store_extracts_nothing(reference, tiny_dir, tiny_da
     manifests = {s: (root / "store" / s / "manifest.json").read_bytes() for s in ("train", "eval")}
     # The same kind of server (external), but nothing listens there: a rerun with nothing to do asks none.
     dead = f"http://127.0.0.1:{free_port()}"
-    summary = run_in_process(stage_overrides(tiny_dir, root, tiny_data, f"extract.server_url={dead}",
-                                             f"extract.staging_dir={server.staging}"))
+    summary = run_in_process(
+        stage_overrides(
+            tiny_dir, root, tiny_data, f"extract.server_url={dead}", f"extract.staging_dir={server.staging}"
+        )
+    )
     assert {s: v["samples_extracted"] for s, v in summary["splits"].items()} == {"train": 0, "eval": 0}
     assert {s: (root / "store" / s / "manifest.json").read_bytes() for s in manifests} == manifests
 
@@ -291,11 +333,20 @@ def assert_within_bf16_ulp(a: Path, b: Path) -> float:
 
 
 def test_deterministic_runs_killed_with_their_servers_resume_bit_identical(
-        deterministic_reference, reference, tiny_dir, tiny_data, tmp_path):
+    deterministic_reference, reference, tiny_dir, tiny_data, tmp_path
+):
     """Fresh servers each run; the stage and its servers SIGKILLed together at random moments."""
     staging_root = tmp_path / "shm"
-    cmd = stage_command(stage_overrides(tiny_dir, tmp_path, tiny_data, *DETERMINISTIC, "extract.shard_samples=2",
-                                        f"extract.staging_dir={staging_root}"))
+    cmd = stage_command(
+        stage_overrides(
+            tiny_dir,
+            tmp_path,
+            tiny_data,
+            *DETERMINISTIC,
+            "extract.shard_samples=2",
+            f"extract.staging_dir={staging_root}",
+        )
+    )
     manifest = tmp_path / "store" / "train" / "manifest.json"
     rng = random.Random(0)
     kills = 0
@@ -305,8 +356,9 @@ def test_deterministic_runs_killed_with_their_servers_resume_bit_identical(
 
     for trial in range(2):
         before = committed()
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         if trial == 0:  # while the stage imports or its server boots
             time.sleep(rng.uniform(3, 15))
         else:  # after this run committed something, mid-shard-write included
@@ -336,18 +388,22 @@ def test_deterministic_runs_killed_with_their_servers_resume_bit_identical(
 
 
 def _mutated_data(tmp_path: Path, tiny_dir: Path, tiny_data: Path, mutate) -> Path:
-    rows = {s: [json.loads(line) for line in (tiny_data / f"{s}.jsonl").read_text().splitlines()]
-            for s in ("train", "eval")}
+    rows = {
+        s: [json.loads(line) for line in (tiny_data / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "eval")
+    }
     mutate(rows)
     return write_dataset(tmp_path / "data", tiny_dir, rows)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("empty", r"eval\.jsonl has no samples"),
-    ("too_long", rf"train\.jsonl: 1 sample\(s\) longer than target\.max_model_len={MAX_LEN}: line 3 \(sample 2,"),
-    ("bad_line", r"train\.jsonl:2: loss_mask must be a list of 0/1 with one entry per input id"),
-    ("tokenizer", r"tokenized with another tokenizer"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("empty", r"eval\.jsonl has no samples"),
+        ("too_long", rf"train\.jsonl: 1 sample\(s\) longer than target\.max_model_len={MAX_LEN}: line 3 \(sample 2,"),
+        ("bad_line", r"train\.jsonl:2: loss_mask must be a list of 0/1 with one entry per input id"),
+        ("tokenizer", r"tokenized with another tokenizer"),
+    ],
+)
 def test_bad_dataset_is_refused_before_any_server_starts(case, message, tmp_path, tiny_dir, tiny_data):
     def mutate(rows):
         if case == "empty":
@@ -398,8 +454,11 @@ def test_connector_and_server_environment_choices():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's stock connector needs CUDA")
 def test_stock_connector_on_cuda_equals_transformers(tmp_path, tiny_dir, tiny_data):
-    summary = run_in_process(stage_overrides(tiny_dir, tmp_path, tiny_data, "extract.connector=auto",
-                                             f"server.extra_args=[{','.join(FAST_START)}]"))
+    summary = run_in_process(
+        stage_overrides(
+            tiny_dir, tmp_path, tiny_data, "extract.connector=auto", f"server.extra_args=[{','.join(FAST_START)}]"
+        )
+    )
     assert summary["connector"] == "stock"
     rows = read_rows(tiny_data)
     for split in ("train", "eval"):
@@ -425,8 +484,13 @@ def _children(pid: int) -> list[tuple[int, bytes]]:
 
 def _api_server_pids(stage_pid: int) -> list[int]:
     """vLLM API-server processes of the stage (each a child of its server's supervisor)."""
-    return [pid for sup, cmd in _children(stage_pid) if b"extract.server" in cmd
-            for pid, sub in _children(sup) if b"vllm.entrypoints.openai.api_server" in sub]
+    return [
+        pid
+        for sup, cmd in _children(stage_pid)
+        if b"extract.server" in cmd
+        for pid, sub in _children(sup)
+        if b"vllm.entrypoints.openai.api_server" in sub
+    ]
 
 
 def _alive(pid: int) -> bool:
@@ -446,11 +510,19 @@ def test_smollm2_two_servers_one_killed_mid_run(tmp_path):
     max_len = 256
     train = chat_rows(model_dir, 0, 8) + random_rows(100, [max_len, 3, *range(40, 200, 12)], 49_152, seed=3)
     data = write_dataset(tmp_path / "data", model_dir, {"train": train, "eval": random_rows(900, [17, 90], 49_152, 4)})
-    cmd = stage_command([
-        "gpus=2", f"paths.root={tmp_path}", f"target.max_model_len={max_len}", "extract.shard_samples=2",
-        "extract.concurrency=4", f"extract.staging_dir={tmp_path / 'staging'}", "extract.max_restarts=1",
-        f"server.extra_args=[{','.join(FAST_START)}]", "server.env.VLLM_CPU_KVCACHE_SPACE=1",
-    ])  # fmt: skip
+    cmd = stage_command(
+        [
+            "gpus=2",
+            f"paths.root={tmp_path}",
+            f"target.max_model_len={max_len}",
+            "extract.shard_samples=2",
+            "extract.concurrency=4",
+            f"extract.staging_dir={tmp_path / 'staging'}",
+            "extract.max_restarts=1",
+            f"server.extra_args=[{','.join(FAST_START)}]",
+            "server.env.VLLM_CPU_KVCACHE_SPACE=1",
+        ]
+    )
     manifest = tmp_path / "store" / "train" / "manifest.json"
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -38,8 +38,9 @@ def torch_reference(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def test_e4m3_codes_and_scales_match_torch():
     every = np.arange(256, dtype=np.uint8)
-    assert np.array_equal(E4M3_VALUES, torch.from_numpy(every).view(torch.float8_e4m3fn).float().numpy(),
-                          equal_nan=True)
+    assert np.array_equal(
+        E4M3_VALUES, torch.from_numpy(every).view(torch.float8_e4m3fn).float().numpy(), equal_nan=True
+    )
     # Every finite value, every midpoint between neighbours (ties to even) and random values.
     finite = E4M3_VALUES[np.isfinite(E4M3_VALUES)]
     pos = np.sort(finite[finite > 0])
@@ -76,8 +77,14 @@ def test_fp8_store_round_trip_layout_and_verify(tmp_path):
     group = root["shards/00000"]
     assert group["hidden"].dtype == np.uint8 and group["hidden"].shape == (340, 3, 32)
     assert group["hidden_scale"].dtype == np.float32 and group["hidden_scale"].shape == (340, 3)
-    assert set(manifest["shards"][0]["checksums"]) == {"hidden", "hidden_scale", "token_ids", "loss_mask",
-                                                        "offsets", "sample_ids"}
+    assert set(manifest["shards"][0]["checksums"]) == {
+        "hidden",
+        "hidden_scale",
+        "token_ids",
+        "loss_mask",
+        "offsets",
+        "sample_ids",
+    }
     want_codes, want_scale, _ = torch_reference(np.concatenate([s.hidden for s in samples[:2]]))
     assert np.array_equal(group["hidden"][...], want_codes) and np.array_equal(group["hidden_scale"][...], want_scale)
 
@@ -85,8 +92,9 @@ def test_fp8_store_round_trip_layout_and_verify(tmp_path):
     errors = []
     for ref, sample in zip(reader.index(), samples, strict=True):
         got = reader.read(ref)
-        assert_same_sample(got, Sample(sample.sample_id, sample.token_ids, sample.loss_mask,
-                                       torch_reference(sample.hidden)[2]))
+        assert_same_sample(
+            got, Sample(sample.sample_id, sample.token_ids, sample.loss_mask, torch_reference(sample.hidden)[2])
+        )
         x = torch.from_numpy(sample.hidden.view(np.int16)).view(torch.bfloat16).float()
         y = torch.from_numpy(got.hidden.view(np.int16)).view(torch.bfloat16).float()
         errors.append(((y - x).norm() / x.norm()).item())
@@ -128,13 +136,27 @@ def test_trainer_reads_an_fp8_store(tmp_path):
     for dtype in ("bfloat16", FP8):
         stores = tmp_path / dtype
         write_store(stores / "train", verifier, samples, target={**store_target(verifier), "dtype": dtype})
-        write_store(stores / "eval", verifier, samples[:4], first_id=100, target={**store_target(verifier), "dtype": dtype})
+        write_store(
+            stores / "eval", verifier, samples[:4], first_id=100, target={**store_target(verifier), "dtype": dtype}
+        )
         world.train_store, world.eval_store = stores / "train", stores / "eval"
         run_dir = tmp_path / f"run-{dtype}"
-        run(compose_cfg(overrides(world, run_dir, **{
-            "train.max_steps": 3, "train.tokens_per_step": 64, "train.tokens_per_micro_batch": 64,
-            "train.data_workers": 0, "train.export": "false", "train.eval_on_start": "true",
-        })))
+        run(
+            compose_cfg(
+                overrides(
+                    world,
+                    run_dir,
+                    **{
+                        "train.max_steps": 3,
+                        "train.tokens_per_step": 64,
+                        "train.tokens_per_micro_batch": 64,
+                        "train.data_workers": 0,
+                        "train.export": "false",
+                        "train.eval_on_start": "true",
+                    },
+                )
+            )
+        )
         losses[dtype] = (rows(run_dir, "train")[1]["loss"], rows(run_dir, "eval")[0]["tau"])
     print(f"\n[fp8] first train loss and untrained tau, bf16 vs fp8: {losses}")
     assert ShardStore.open(tmp_path / FP8 / "train").attrs["format_version"] == 2

@@ -17,8 +17,14 @@ SCRIPT = REPO / "bench" / "gpu_check.sh"
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )
 
 
 def test_dry_run_prints_every_phase_and_runs_nothing(tmp_path):
@@ -26,12 +32,20 @@ def test_dry_run_prints_every_phase_and_runs_nothing(tmp_path):
     proc = run_script("--dry-run", "--out", str(out), "--budget-s", "500")
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    for expected in ("[tests] time limit 100 s", "-m pytest -m gpu", f"--junitxml={out / 'gpu_tests.xml'}",
-                     "[train_step] time limit 125 s", "DSPARK_BENCH_DEVICE=cuda DSPARK_BENCH_DTYPE=bfloat16 "
-                     "DSPARK_BENCH_ATTN=flex", f"-m bench only=train_step out={out}",
-                     "[serving] time limit 275 s", f"DSPARK_RUNS={out / 'runs'}", "-m extract.data",
-                     "-m train +experiment=demo", "-m eval eval.online.num_prompts=16",
-                     f"report: {out / 'gpu_check.json'}"):
+    for expected in (
+        "[tests] time limit 100 s",
+        "-m pytest -m gpu",
+        f"--junitxml={out / 'gpu_tests.xml'}",
+        "[train_step] time limit 125 s",
+        "DSPARK_BENCH_DEVICE=cuda DSPARK_BENCH_DTYPE=bfloat16 DSPARK_BENCH_ATTN=flex",
+        f"-m bench only=train_step out={out}",
+        "[serving] time limit 275 s",
+        f"DSPARK_RUNS={out / 'runs'}",
+        "-m extract.data",
+        "-m train +experiment=demo",
+        "-m eval eval.online.num_prompts=16",
+        f"report: {out / 'gpu_check.json'}",
+    ):
         assert expected in text, expected
     assert not out.exists()  # a dry run writes nothing
 
@@ -42,12 +56,15 @@ def test_only_picks_phases_and_gives_them_the_whole_budget(tmp_path):
     assert sum(p.timeout_s for p in phases) == 300
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--only", "tests,gpu"], "--only: unknown or no phase(s) ['gpu']"),
-    (["--only", ","], "--only: unknown or no phase(s) []"),
-    (["--budget-s", "0"], "--budget-s must be > 0"),
-    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--only", "tests,gpu"], "--only: unknown or no phase(s) ['gpu']"),
+        (["--only", ","], "--only: unknown or no phase(s) []"),
+        (["--budget-s", "0"], "--budget-s must be > 0"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
 def test_bad_arguments_exit_2_with_a_message(args, message):
     proc = run_script(*args)
     assert proc.returncode == 2
@@ -71,31 +88,68 @@ def test_report_from_the_files_the_phases_write(tmp_path):
         "def test_ok(): pass\n"
         "def test_bad(): assert False\n"
         "@pytest.mark.skip\n"
-        "def test_skipped(): pass\n")
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", "/dev/null",
-                    f"--rootdir={tests}", f"--junitxml={tmp_path / 'gpu_tests.xml'}", str(tests)],
-                   capture_output=True, timeout=120, check=False)
-    row = {"throughput_ratio": 2.5, "throughput_ratio_min_max": [2.1, 2.9],
-           "tokens_per_s": {"ours": 50000.0, "speculators": 20000.0},
-           "flop_limit_fraction": {"ours": 0.41, "speculators": 0.16}}
+        "def test_skipped(): pass\n"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            "/dev/null",
+            f"--rootdir={tests}",
+            f"--junitxml={tmp_path / 'gpu_tests.xml'}",
+            str(tests),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    row = {
+        "throughput_ratio": 2.5,
+        "throughput_ratio_min_max": [2.1, 2.9],
+        "tokens_per_s": {"ours": 50000.0, "speculators": 20000.0},
+        "flop_limit_fraction": {"ours": 0.41, "speculators": 0.16},
+    }
     (tmp_path / "train_step.json").write_text(json.dumps({"rows": {"qwen2.5-0.5b": row}}))
     eval_dir = tmp_path / "runs" / "smollm2-135m" / "eval"
     eval_dir.mkdir(parents=True)
-    (eval_dir / "report.json").write_text(json.dumps({
-        "offline": {"overall": {"tau": 1.8765, "blocks": 100}},
-        "online": {"vllm_version": "0.11", "skipped": None, "runs": [
-            {"name": "baseline", "tokens_per_s": 100.0, "speculative_config": None},
-            {"name": "dspark k=4", "tokens_per_s": 160.0, "acceptance_length": 1.9, "speedup": 1.6}]}}))
+    (eval_dir / "report.json").write_text(
+        json.dumps(
+            {
+                "offline": {"overall": {"tau": 1.8765, "blocks": 100}},
+                "online": {
+                    "vllm_version": "0.11",
+                    "skipped": None,
+                    "runs": [
+                        {"name": "baseline", "tokens_per_s": 100.0, "speculative_config": None},
+                        {"name": "dspark k=4", "tokens_per_s": 160.0, "acceptance_length": 1.9, "speedup": 1.6},
+                    ],
+                },
+            }
+        )
+    )
 
-    report = {"device": "NVIDIA H200", "budget_s": 570, "phases": {
-        name: {"rc": 0, "seconds": 1.0, "figures": gpu_check.figures(name, tmp_path)} for name in gpu_check.PHASES}}
-    assert report["phases"]["tests"]["figures"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1,
-                                                    "passed": 1}
+    report = {
+        "device": "NVIDIA H200",
+        "budget_s": 570,
+        "phases": {
+            name: {"rc": 0, "seconds": 1.0, "figures": gpu_check.figures(name, tmp_path)} for name in gpu_check.PHASES
+        },
+    }
+    assert report["phases"]["tests"]["figures"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1, "passed": 1}
     assert report["phases"]["train_step"]["figures"]["qwen2.5-0.5b"]["throughput_ratio"] == 2.5
     serving = report["phases"]["serving"]["figures"]
     assert serving["offline_tau"] == 1.8765
-    assert serving["online_runs"][1] == {"name": "dspark k=4", "acceptance_length": 1.9, "tokens_per_s": 160.0,
-                                         "speedup": 1.6}
+    assert serving["online_runs"][1] == {
+        "name": "dspark k=4",
+        "acceptance_length": 1.9,
+        "tokens_per_s": 160.0,
+        "speedup": 1.6,
+    }
     gpu_check.write_report(report, tmp_path)
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
     md = (tmp_path / "gpu_check.md").read_text()

@@ -23,9 +23,18 @@ def verifier_dir(tmp_path_factory):
 
 
 def draft(verifier_dir, num_layers: int = 2) -> DSparkDraft:
-    cfg = DraftConfig(num_layers=num_layers, block_size=BLOCK, draft_vocab_size=None, markov_rank=0,
-                      markov_type="vanilla", confidence_head=False, confidence_head_with_markov=False,
-                      sliding_window=None, causal_in_block=True, attn_impl="sdpa")
+    cfg = DraftConfig(
+        num_layers=num_layers,
+        block_size=BLOCK,
+        draft_vocab_size=None,
+        markov_rank=0,
+        markov_type="vanilla",
+        confidence_head=False,
+        confidence_head_with_markov=False,
+        sliding_window=None,
+        causal_in_block=True,
+        attn_impl="sdpa",
+    )
     return DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
 
 
@@ -61,16 +70,18 @@ def test_copied_layer_computes_what_the_verifiers_layer_computes(verifier_dir):
     x = torch.randn(1, BLOCK, hidden, generator=torch.Generator().manual_seed(0))
     context = torch.randn(1, 1, hidden)  # masked out: the block at anchor 0 sees no context key
     anchors = torch.zeros(1, 1, dtype=torch.long)
-    layout = BlockLayout(anchors, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long),
-                         BLOCK, None, True)
+    layout = BlockLayout(
+        anchors, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long), BLOCK, None, True
+    )
     positions = torch.arange(BLOCK)[None]
     cos, sin = model.rotary_emb(x, torch.cat([torch.zeros(1, 1, dtype=torch.long), positions], 1))
     hf_cos, hf_sin = hf.model.rotary_emb(x, positions)
     causal = torch.full((BLOCK, BLOCK), float("-inf")).triu(1)[None, None]
     for j, i in enumerate([1, 3]):
         ours = model.layers[j](x, context, cos, sin, layout.dense())
-        theirs = hf.model.layers[i](x, attention_mask=causal, position_ids=positions,
-                                    position_embeddings=(hf_cos, hf_sin))
+        theirs = hf.model.layers[i](
+            x, attention_mask=causal, position_ids=positions, position_embeddings=(hf_cos, hf_sin)
+        )
         theirs = theirs[0] if isinstance(theirs, tuple) else theirs
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     # and a random-init layer does not (the comparison can fail)

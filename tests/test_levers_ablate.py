@@ -37,10 +37,16 @@ def test_standard_errors_match_a_hand_computation():
     assert got["mean"] == pytest.approx(1.1) and got["seeds"] == 2
     assert got["se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.00125))
 
-    runs = [{"variant": v, "budget": 1, "seed": s, "steps": 10, "train_tokens": 2e6, "wall_s": w,
-             "train_time_s": w / 2} for v, s, w in (("a", 0, 10.0), ("a", 1, 14.0), ("b", 0, 12.0), ("b", 1, 12.0))]
-    done = {("a", 1, 0): blocks([0.2, 0.4]), ("a", 1, 1): blocks([0.4, 0.4]),
-            ("b", 1, 0): blocks([0.5, 0.5]), ("b", 1, 1): blocks([0.3, 0.7])}
+    runs = [
+        {"variant": v, "budget": 1, "seed": s, "steps": 10, "train_tokens": 2e6, "wall_s": w, "train_time_s": w / 2}
+        for v, s, w in (("a", 0, 10.0), ("a", 1, 14.0), ("b", 0, 12.0), ("b", 1, 12.0))
+    ]
+    done = {
+        ("a", 1, 0): blocks([0.2, 0.4]),
+        ("a", 1, 1): blocks([0.4, 0.4]),
+        ("b", 1, 0): blocks([0.5, 0.5]),
+        ("b", 1, 1): blocks([0.3, 0.7]),
+    }
     untrained = {(v, s): blocks([0.0, 0.2]) for v in "ab" for s in (0, 1)}
     table = {r["variant"]: r for r in summarize(runs, done, untrained, reference="a")}
     a, b = table["a"], table["b"]
@@ -73,21 +79,46 @@ def tiny_world(tmp_path_factory):
 
 def tiny_overrides(root) -> list[str]:
     """A 1-layer draft on the tiny store, 96 tokens per step."""
-    return [f"target.name_or_path={root / 'verifier'}", "target.name=tiny", "target.aux_layer_ids=null",
-            f"target.mask_token_id={MASK_TOKEN_ID}", "model.num_layers=1", "model.markov_rank=16",
-            "model.draft_vocab_size=null", "loss.num_anchors=4", f"train.train_store={root / 'store' / 'train'}",
-            f"train.eval_store={root / 'store' / 'eval'}", f"train.token_freqs={root / 'freqs.npy'}",
-            "train.tokens_per_step=96", "train.tokens_per_micro_batch=96", "train.data_workers=0", "train.lr=1e-2"]
+    return [
+        f"target.name_or_path={root / 'verifier'}",
+        "target.name=tiny",
+        "target.aux_layer_ids=null",
+        f"target.mask_token_id={MASK_TOKEN_ID}",
+        "model.num_layers=1",
+        "model.markov_rank=16",
+        "model.draft_vocab_size=null",
+        "loss.num_anchors=4",
+        f"train.train_store={root / 'store' / 'train'}",
+        f"train.eval_store={root / 'store' / 'eval'}",
+        f"train.token_freqs={root / 'freqs.npy'}",
+        "train.tokens_per_step=96",
+        "train.tokens_per_micro_batch=96",
+        "train.data_workers=0",
+        "train.lr=1e-2",
+    ]
 
 
 def test_two_variants_make_one_table(tiny_world, tmp_path):
     common = [*tiny_overrides(tiny_world), "train.eval_every=0"]
-    cfg = {"launcher": ["python", "-m", "train"], "runs_dir": str(tmp_path / "runs"), "common": common, "steps": 3,
-           "budgets": [1], "seeds": [0], "reference": "baseline",
-           "eval": {"max_samples": None, "anchors_per_sample": None, "anchors_per_forward": 64},
-           "variants": {"baseline": [],
-                        "levers": ["train.init_layers_from_verifier=[-1]", "train.init_fc_from_last_aux=true",
-                                   "loss.anchor_sampling=confident", "loss.anchor_pool=8"]}}
+    cfg = {
+        "launcher": ["python", "-m", "train"],
+        "runs_dir": str(tmp_path / "runs"),
+        "common": common,
+        "steps": 3,
+        "budgets": [1],
+        "seeds": [0],
+        "reference": "baseline",
+        "eval": {"max_samples": None, "anchors_per_sample": None, "anchors_per_forward": 64},
+        "variants": {
+            "baseline": [],
+            "levers": [
+                "train.init_layers_from_verifier=[-1]",
+                "train.init_fc_from_last_aux=true",
+                "loss.anchor_sampling=confident",
+                "loss.anchor_pool=8",
+            ],
+        },
+    }
     (tmp_path / "ablate.yaml").write_text(yaml.safe_dump(cfg))
     assert ablate.main([f"config={tmp_path / 'ablate.yaml'}", f"out={tmp_path / 'out'}"]) == 0
     result = json.loads((tmp_path / "out" / "ablations.json").read_text())
@@ -121,7 +152,12 @@ def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
     from train.__main__ import run
     from train.checkpoint import read_checkpoint
 
-    args = [*tiny_overrides(tiny_world), "train.max_steps=4", "train.ema_decay=0.9", f"train.run_dir={tmp_path / 'run'}"]
+    args = [
+        *tiny_overrides(tiny_world),
+        "train.max_steps=4",
+        "train.ema_decay=0.9",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]
     with initialize_config_dir(config_dir=str(ablate.REPO / "conf"), version_base=None):
         run(compose("train", overrides=args))
     ckpt = read_checkpoint(tmp_path / "run" / "checkpoints" / "latest", rank=0)

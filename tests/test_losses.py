@@ -79,8 +79,20 @@ def make_case(seed: int, n: int = 7, draft_vocab: int | None = None):
     return heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t
 
 
-def run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm=None, confidence=True,
-             keep_budget=None):
+def run_loss(
+    heads,
+    verifier,
+    hidden,
+    prev,
+    target_hidden,
+    labels,
+    slot_mask,
+    d2t,
+    cfg,
+    norm=None,
+    confidence=True,
+    keep_budget=None,
+):
     return dspark_loss(
         heads.draft_logits,
         verifier.logits,
@@ -346,7 +358,8 @@ def test_fused_loss_equals_previous_implementation_in_float32(draft_vocab, ce_ta
     """Random float32 inputs, masked slots, several chunks kept and recomputed: value and every
     gradient equal the previous implementation's (evaluated in float64) within float32 tolerance."""
     heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(
-        seed=10, n=13, draft_vocab=draft_vocab)
+        seed=10, n=13, draft_vocab=draft_vocab
+    )
     cfg = make_cfg(ce_target=ce_target, chunk_size=3 * B)
     params = [hidden, *heads.parameters()]
     ref_loss, ref_alpha = reference_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
@@ -354,8 +367,18 @@ def test_fused_loss_equals_previous_implementation_in_float32(draft_vocab, ce_ta
     heads32, verifier32 = copy.deepcopy(heads).float(), copy.deepcopy(verifier).float()
     hidden32 = hidden.detach().float().requires_grad_()
     for keep_budget in (None, 2 * 3 * B * V * 4):  # all chunks kept; two kept, the rest recomputed
-        out = run_loss(heads32, verifier32, hidden32, prev, target_hidden.float(), labels, slot_mask, d2t, cfg,
-                       keep_budget=keep_budget)
+        out = run_loss(
+            heads32,
+            verifier32,
+            hidden32,
+            prev,
+            target_hidden.float(),
+            labels,
+            slot_mask,
+            d2t,
+            cfg,
+            keep_budget=keep_budget,
+        )
         assert out.loss.dtype == torch.float32
         grads = torch.autograd.grad(out.loss, [hidden32, *heads32.parameters()])
         torch.testing.assert_close(out.loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)

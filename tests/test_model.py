@@ -21,6 +21,7 @@ def verifier(tiny_qwen3_dir) -> VerifierHead:
 
 # --- an independent, one-anchor-at-a-time computation ---------------------------------
 
+
 def naive_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x [L, heads, d] rotated by the textbook RoPE formula at `positions` [L]."""
     d = x.shape[-1]
@@ -28,7 +29,7 @@ def naive_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     angles = positions.double()[:, None] * inv_freq[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :].float()
     sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :].float()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -41,8 +42,11 @@ def naive_block(model: DSparkDraft, context, input_ids, document_ids, position_i
     cfg, lc = model.cfg, model.layer_config
     B, hd = cfg.block_size, lc.head_dim
     theta = lc.rope_parameters["rope_theta"]
-    visible = [t for t in range(p) if document_ids[t] == document_ids[p]
-               and (cfg.sliding_window is None or t >= p - cfg.sliding_window)]
+    visible = [
+        t
+        for t in range(p)
+        if document_ids[t] == document_ids[p] and (cfg.sliding_window is None or t >= p - cfg.sliding_window)
+    ]
     visible = torch.tensor(visible, dtype=torch.long)
     ctx = model.hidden_norm(model.fc(context[visible]))
     n = len(visible)
@@ -69,18 +73,23 @@ def naive_block(model: DSparkDraft, context, input_ids, document_ids, position_i
     return model.norm(x)
 
 
-@pytest.mark.parametrize("window, causal", [(None, False), (5, False), (None, True), (5, True)],
-                         ids=["full", "sliding", "full-causal", "sliding-causal"])
+@pytest.mark.parametrize(
+    "window, causal",
+    [(None, False), (5, False), (None, True), (5, True)],
+    ids=["full", "sliding", "full-causal", "sliding-causal"],
+)
 def test_batched_blocks_match_one_anchor_at_a_time(verifier, window, causal):
     model = make_draft(verifier, draft_config(sliding_window=window, causal_in_block=causal))
     T = 22
     context, input_ids = packed_inputs(2, T, 3, verifier.hidden_size)
     # Row 0: three packed documents; row 1: one document with positions offset by 7.
     document_ids = torch.tensor([[0] * 7 + [1] * 9 + [2] * 6, [0] * T])
-    position_ids = torch.stack([
-        torch.cat([torch.arange(7), torch.arange(9), torch.arange(6)]),
-        torch.arange(7, 7 + T),
-    ])
+    position_ids = torch.stack(
+        [
+            torch.cat([torch.arange(7), torch.arange(9), torch.arange(6)]),
+            torch.arange(7, 7 + T),
+        ]
+    )
     anchors = torch.tensor([[0, 3, 6, 7, 12, 16, 19], [1, 5, 8, 13, 17, 20, 21]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
     valid[1, -1] = False  # a padding anchor: computed, never compared
@@ -168,10 +177,18 @@ def test_heads_shapes_and_markov_dependence(verifier, markov_type):
 
 # --- sizing from other verifier families ----------------------------------------------
 
+
 def tiny_llama_config(**kw) -> LlamaConfig:
-    base = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                tie_word_embeddings=False)
+    base = dict(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return LlamaConfig(**{**base, **kw})
 
 
@@ -201,8 +218,15 @@ def test_sizes_from_llama_config():
 
 
 def test_sizes_from_qwen2_config_without_head_dim():
-    config = Qwen2Config(vocab_size=300, hidden_size=40, intermediate_size=80, num_hidden_layers=3,
-                         num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=512)
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=40,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    )
     assert getattr(config, "head_dim", None) is None
     model = DSparkDraft(draft_config(), config, [1], mask_token_id=299)
     model.load_verifier(random_head(config))
@@ -244,6 +268,7 @@ def test_verifier_head_of_tied_checkpoint_matches_hf(tiny_qwen3_dir, verifier):
 
 # --- aux layers and mask token ----------------------------------------------------------
 
+
 def test_aux_layer_ids_default_and_validation():
     assert resolve_aux_layer_ids(Qwen3Config(num_hidden_layers=28), None) == [2, 14, 25]
     assert resolve_aux_layer_ids(Qwen3Config(num_hidden_layers=30), None) == [2, 15, 27]
@@ -266,15 +291,19 @@ def test_mask_token_id_resolution():
 
 # --- bad input: clear errors naming the field --------------------------------------------
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(block_size=0), "block_size"),
-    (dict(num_layers=0), "num_layers"),
-    (dict(markov_type="lstm"), "markov_type"),
-    (dict(markov_rank=0), "confidence_head_with_markov"),
-    (dict(sliding_window=0), "sliding_window"),
-    (dict(attn_impl="eager"), "attn_impl"),
-    (dict(draft_vocab_size=400), "draft_vocab_size"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(markov_type="lstm"), "markov_type"),
+        (dict(markov_rank=0), "confidence_head_with_markov"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(attn_impl="eager"), "attn_impl"),
+        (dict(draft_vocab_size=400), "draft_vocab_size"),
+    ],
+)
 def test_bad_draft_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         DSparkDraft(draft_config(**overrides), tiny_llama_config(), [1], mask_token_id=299)
@@ -319,14 +348,19 @@ def test_flex_without_cuda_is_refused():
 
 # --- GPU: flex attention equals SDPA ------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention runs on CUDA only")
 @pytest.mark.parametrize("window, causal", [(None, False), (5, True)])
 def test_flex_matches_sdpa_on_cuda(verifier, window, causal):
     cfg = draft_config(sliding_window=window, causal_in_block=causal)
     sdpa = make_draft(verifier, cfg).cuda()
-    flex = DSparkDraft(draft_config(sliding_window=window, causal_in_block=causal, attn_impl="flex"),
-                       verifier.config, [1, 2, 3], QWEN3_MASK_TOKEN_ID).cuda()
+    flex = DSparkDraft(
+        draft_config(sliding_window=window, causal_in_block=causal, attn_impl="flex"),
+        verifier.config,
+        [1, 2, 3],
+        QWEN3_MASK_TOKEN_ID,
+    ).cuda()
     flex.load_verifier(verifier)
     flex.load_state_dict(sdpa.state_dict())
     context, input_ids = packed_inputs(2, 300, 3, verifier.hidden_size)

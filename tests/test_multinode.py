@@ -33,8 +33,13 @@ TIMEOUT_S = 240
 
 def make_command(*variables: str) -> list[str]:
     """The `make train` command line for these variables (setup treated as done: nothing is installed)."""
-    out = subprocess.run(["make", "-s", "-n", "-o", ".venv/.setup-done", "train", *variables],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["make", "-s", "-n", "-o", ".venv/.setup-done", "train", *variables],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     (line,) = out.strip().splitlines()
     return shlex.split(line)
 
@@ -63,14 +68,27 @@ def args(tmp_path_factory) -> str:
     write_store(root / "train", verifier, train)
     write_store(root / "eval", verifier, make_samples(verifier, 4, seed=1), first_id=1000)
     settings = {
-        "target.name": "tiny", "target.name_or_path": verifier, "target.aux_layer_ids": "null",
-        "target.mask_token_id": MASK_TOKEN_ID, "model.num_layers": 1, "model.draft_vocab_size": 128,
-        "model.markov_rank": 32, "loss.num_anchors": 8, "loss.chunk_size": 256,
-        "train.train_store": root / "train", "train.eval_store": root / "eval",
+        "target.name": "tiny",
+        "target.name_or_path": verifier,
+        "target.aux_layer_ids": "null",
+        "target.mask_token_id": MASK_TOKEN_ID,
+        "model.num_layers": 1,
+        "model.draft_vocab_size": 128,
+        "model.markov_rank": 32,
+        "loss.num_anchors": 8,
+        "loss.chunk_size": 256,
+        "train.train_store": root / "train",
+        "train.eval_store": root / "eval",
         "train.token_freqs": write_token_freqs(root / "freqs.npy", train, VOCAB),
-        "train.lr": 1e-2, "train.epochs": 1, "train.tokens_per_step": 256, "train.tokens_per_micro_batch": 64,
-        "train.data_workers": 0, "train.eval_every": 0, "train.save_every": 1000, "train.log_every": 1,
-    }  # fmt: skip
+        "train.lr": 1e-2,
+        "train.epochs": 1,
+        "train.tokens_per_step": 256,
+        "train.tokens_per_micro_batch": 64,
+        "train.data_workers": 0,
+        "train.eval_every": 0,
+        "train.save_every": 1000,
+        "train.log_every": 1,
+    }
     return " ".join(f"{k}={v}" for k, v in settings.items())
 
 
@@ -78,10 +96,26 @@ def test_makefile_keeps_standalone_for_one_node():
     cmd = make_command("GPUS=2")
     assert cmd[1:4] == ["--standalone", "--nproc_per_node", "2"] and "--nnodes" not in cmd
     many = make_command("NODES=4", "NODE_RANK=3", "MASTER_ADDR=10.1.2.3", "MASTER_PORT=1234", "GPUS=8")
-    assert many[1:12] == ["--nnodes", "4", "--node-rank", "3", "--rdzv-backend", "c10d",
-                          "--rdzv-endpoint", "10.1.2.3:1234", "--nproc_per_node", "8", "-m"]  # fmt: skip
-    refused = subprocess.run(["make", "-s", "-n", "-o", ".venv/.setup-done", "train", "NODES=2"],
-                             cwd=REPO, capture_output=True, text=True, check=False)  # fmt: skip
+    assert many[1:12] == [
+        "--nnodes",
+        "4",
+        "--node-rank",
+        "3",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.1.2.3:1234",
+        "--nproc_per_node",
+        "8",
+        "-m",
+    ]
+    refused = subprocess.run(
+        ["make", "-s", "-n", "-o", ".venv/.setup-done", "train", "NODES=2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert refused.returncode != 0 and "MASTER_ADDR" in refused.stderr
     example = REPO / "examples" / "slurm-scale-out.sh"  # the cluster example at least parses
     assert subprocess.run(["bash", "-n", str(example)], check=False).returncode == 0
@@ -92,8 +126,21 @@ def test_two_nodes_by_rendezvous_equal_one_node_of_two_processes(args, tmp_path)
     finish([launch(make_command("GPUS=2", f"ARGS={args} train.run_dir={one}"))])
     two = tmp_path / "two-nodes"
     port = free_port()
-    finish([launch(make_command("NODES=2", f"NODE_RANK={r}", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}",
-                                "GPUS=1", f"ARGS={args} train.run_dir={two}")) for r in range(2)])  # fmt: skip
+    finish(
+        [
+            launch(
+                make_command(
+                    "NODES=2",
+                    f"NODE_RANK={r}",
+                    "MASTER_ADDR=127.0.0.1",
+                    f"MASTER_PORT={port}",
+                    "GPUS=1",
+                    f"ARGS={args} train.run_dir={two}",
+                )
+            )
+            for r in range(2)
+        ]
+    )
 
     state = json.loads((two / "checkpoints" / "latest" / "trainer_state.json").read_text())
     assert state["world_size"] == 2
@@ -102,7 +149,13 @@ def test_two_nodes_by_rendezvous_equal_one_node_of_two_processes(args, tmp_path)
     assert a.keys() == b.keys()
     for name in a:  # the same reduction over the same two ranks: bit-identical
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
-    losses = {name: [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                     if r["split"] == "train"] for name, run in (("one", one), ("two", two))}
+    losses = {
+        name: [
+            r["loss"]
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"
+        ]
+        for name, run in (("one", one), ("two", two))
+    }
     assert losses["one"] == losses["two"] and len(losses["two"]) >= 5
     assert losses["two"][-1] < losses["two"][0], "weights must have moved: not two untouched initializations"

@@ -50,9 +50,21 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 13.0
 
 
 def online_cfg(**overrides) -> OnlineConfig:
-    base = dict(enabled=True, prompts_file=None, num_prompts=3, max_tokens=16, warmup_requests=1, methods=["dspark"],
-                num_speculative_tokens=None, adaptive=False, method_config={},
-                require_cuda_for_draft=True, max_model_len=512, dtype="float32", request_timeout_s=300)
+    base = dict(
+        enabled=True,
+        prompts_file=None,
+        num_prompts=3,
+        max_tokens=16,
+        warmup_requests=1,
+        methods=["dspark"],
+        num_speculative_tokens=None,
+        adaptive=False,
+        method_config={},
+        require_cuda_for_draft=True,
+        max_model_len=512,
+        dtype="float32",
+        request_timeout_s=300,
+    )
     return OnlineConfig(**{**base, **overrides})
 
 
@@ -75,14 +87,29 @@ def test_parse_metrics_sums_engines_and_positions():
 def test_plan_runs(tmp_path):
     runs, skipped = plan_runs(online_cfg(), tmp_path, block_size=4, cuda=False)
     assert [r.name for r in runs] == ["baseline"] and skipped == DSPARK_NEEDS_CUDA
-    cfg = online_cfg(methods=["dspark", "ngram"], num_speculative_tokens=[2, 4], adaptive=True,
-                     method_config={"ngram": {"prompt_lookup_max": 3}})
+    cfg = online_cfg(
+        methods=["dspark", "ngram"],
+        num_speculative_tokens=[2, 4],
+        adaptive=True,
+        method_config={"ngram": {"prompt_lookup_max": 3}},
+    )
     runs, skipped = plan_runs(cfg, tmp_path, 4, cuda=True)
     assert skipped is None
-    assert [r.name for r in runs] == ["baseline", "dspark k=2", "dspark k=2 adaptive", "dspark k=4",
-                                      "dspark k=4 adaptive", "ngram k=2", "ngram k=4"]
-    assert runs[2].speculative_config == {"method": "dspark", "model": str(tmp_path.resolve()),
-                                          "num_speculative_tokens": 2, "enable_adaptive_verification": True}
+    assert [r.name for r in runs] == [
+        "baseline",
+        "dspark k=2",
+        "dspark k=2 adaptive",
+        "dspark k=4",
+        "dspark k=4 adaptive",
+        "ngram k=2",
+        "ngram k=4",
+    ]
+    assert runs[2].speculative_config == {
+        "method": "dspark",
+        "model": str(tmp_path.resolve()),
+        "num_speculative_tokens": 2,
+        "enable_adaptive_verification": True,
+    }
     assert runs[5].speculative_config == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     # no CUDA: the model-free reference still runs, DSpark is skipped and said so
     runs, skipped = plan_runs(cfg, tmp_path, 4, cuda=False)
@@ -129,20 +156,34 @@ def test_stage_on_cpu_serves_baseline_and_reference(servable_verifier, tmp_path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="eval", overrides=[
-            f"drafter={drafter}", f"target.name_or_path={servable_verifier}", "target.max_model_len=512",
-            f"paths.root={tmp_path}", "eval.offline.enabled=false", f"eval.online.prompts_file={prompts}",
-            "eval.online.max_tokens=16", "eval.online.methods=[dspark,ngram]", "eval.online.num_speculative_tokens=[2]",
-            # --enforce-eager: torch.compile's warm-up costs about a minute per server on 2 busy cores
-            "server.env.VLLM_CPU_KVCACHE_SPACE=1", "server.extra_args=[--enforce-eager]",
-        ])
+        cfg = compose(
+            config_name="eval",
+            overrides=[
+                f"drafter={drafter}",
+                f"target.name_or_path={servable_verifier}",
+                "target.max_model_len=512",
+                f"paths.root={tmp_path}",
+                "eval.offline.enabled=false",
+                f"eval.online.prompts_file={prompts}",
+                "eval.online.max_tokens=16",
+                "eval.online.methods=[dspark,ngram]",
+                "eval.online.num_speculative_tokens=[2]",
+                # --enforce-eager: torch.compile's warm-up costs about a minute per server on 2 busy cores
+                "server.env.VLLM_CPU_KVCACHE_SPACE=1",
+                "server.extra_args=[--enforce-eager]",
+            ],
+        )
     report = run(cfg)
     online = report["online"]
     assert online["skipped"] == DSPARK_NEEDS_CUDA and online["device"] == "cpu"
     base, drafted = online["runs"]
     assert (base["name"], drafted["name"]) == ("baseline", "ngram k=2")
-    assert drafted["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2,
-                                             "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert drafted["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
     for r in (base, drafted):
         assert r["output_tokens"] == 3 * 16
         # the server counted exactly the measured requests' tokens (warm-up excluded)
@@ -166,5 +207,7 @@ def test_stage_on_cpu_serves_baseline_and_reference(servable_verifier, tmp_path)
 def test_server_never_ready(servable_verifier, tmp_path):
     """A server that is not ready in time is stopped, and the error names the run and the cause."""
     slow = ServerConfig(env={"VLLM_CPU_KVCACHE_SPACE": "1"}, extra_args=[], ready_timeout_s=1, stop_timeout_s=10)
-    with pytest.raises(ServerError, match=r"run 'baseline': the vLLM server .* did not become ready: .*not ready after"):
+    with pytest.raises(
+        ServerError, match=r"run 'baseline': the vLLM server .* did not become ready: .*not ready after"
+    ):
         run_online(servable_verifier, tmp_path, 4, PROMPTS, online_cfg(), slow, tmp_path / "servers", cuda=False)

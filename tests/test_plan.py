@@ -42,8 +42,9 @@ def chat_rows(model_dir: Path, n: int) -> list[Row]:
     rows = []
     for i, question in enumerate(mtbench_prompts()[:n]):
         prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-        ids = tok.apply_chat_template([{"role": "user", "content": question},
-                                       {"role": "assistant", "content": "Sure. " + question[::-1][:80]}])
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": question}, {"role": "assistant", "content": "Sure. " + question[::-1][:80]}]
+        )
         prompt, ids = list(getattr(prompt, "input_ids", prompt)), list(getattr(ids, "input_ids", ids))
         rows.append(Row(i, ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))))
     return rows
@@ -51,15 +52,18 @@ def chat_rows(model_dir: Path, n: int) -> list[Row]:
 
 def extract_config(root: Path, data_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose("extract", overrides=[f"paths.root={root}", f"extract.data_dir={data_dir}",
-                                             "extract.splits=[train]", *overrides])
+        return compose(
+            "extract",
+            overrides=[f"paths.root={root}", f"extract.data_dir={data_dir}", "extract.splits=[train]", *overrides],
+        )
 
 
 def write_like_extraction(target, ex, rows: list[Row]) -> int:
     """Store `rows`' states through the extraction's own writer; returns the store's bytes on disk."""
     url = f"{ex.store_dir}/train"
-    store = ShardStore.create_or_open(url, target.store_attrs(STORE_DTYPES[ex.store_dtype]), target.tokenizer_sha256,
-                                      extra_attrs={"split": "train"})
+    store = ShardStore.create_or_open(
+        url, target.store_attrs(STORE_DTYPES[ex.store_dtype]), target.tokenizer_sha256, extra_attrs={"split": "train"}
+    )
     writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens)
 
     async def feed() -> None:
@@ -79,8 +83,10 @@ def check_estimate(cfg, rows: list[Row]) -> ShardStore:
     assert plan.todo_tokens == sum(len(r.input_ids) for r in rows)
     written = write_like_extraction(target, ex, rows)
     assert abs(plan.store_bytes / written - 1) < 0.05, (plan.store_bytes, written, plan.format())
-    print(f"\n[plan] {target.name_or_path} {ex.store_dtype}: estimated {plan.store_bytes:,} B, "
-          f"written {written:,} B ({plan.store_bytes / written - 1:+.2%})")
+    print(
+        f"\n[plan] {target.name_or_path} {ex.store_dtype}: estimated {plan.store_bytes:,} B, "
+        f"written {written:,} B ({plan.store_bytes / written - 1:+.2%})"
+    )
     # A rerun extracts (and needs room for) nothing more.
     assert make_plan(target, ex, scale, plan_cfg).todo_tokens == 0
     return ShardStore.open(f"{ex.store_dir}/train")
@@ -99,9 +105,18 @@ def test_estimate_within_5_percent_on_tiny_qwen3_fp8(tmp_path, tiny_qwen3_dir):
     rng = random.Random(0)
     rows = [Row(i, [rng.randrange(151_000) for _ in range(t)], [1] * t) for i, t in enumerate(range(40, 400, 12))]
     data = write_dataset(tmp_path / "data", tiny_qwen3_dir, rows)
-    cfg = extract_config(tmp_path, data, "target.name=tiny", f"target.name_or_path={tiny_qwen3_dir}",
-                         "target.aux_layer_ids=[1,2]", "target.max_model_len=512", "target.dtype=float32",
-                         "extract.store_dtype=fp8", "extract.shard_tokens=2000", "plan.probe_samples=5")
+    cfg = extract_config(
+        tmp_path,
+        data,
+        "target.name=tiny",
+        f"target.name_or_path={tiny_qwen3_dir}",
+        "target.aux_layer_ids=[1,2]",
+        "target.max_model_len=512",
+        "target.dtype=float32",
+        "extract.store_dtype=fp8",
+        "extract.shard_tokens=2000",
+        "plan.probe_samples=5",
+    )
     store = check_estimate(cfg, rows)
     assert store.target["dtype"] == "float8_e4m3fn" and store.attrs["format_version"] == 2
 
@@ -109,8 +124,13 @@ def test_estimate_within_5_percent_on_tiny_qwen3_fp8(tmp_path, tiny_qwen3_dir):
 def test_dry_run_refusal_and_shard_count(tmp_path, tiny_qwen3_dir, capsys):
     rows = [Row(i, list(range(100, 100 + t)), [1] * t) for i, t in enumerate((30, 50, 70, 90))]
     data = write_dataset(tmp_path / "data", tiny_qwen3_dir, rows)
-    tiny = ("target.name=tiny", f"target.name_or_path={tiny_qwen3_dir}", "target.aux_layer_ids=[1,2]",
-            "target.max_model_len=512", "target.dtype=float32")
+    tiny = (
+        "target.name=tiny",
+        f"target.name_or_path={tiny_qwen3_dir}",
+        "target.aux_layer_ids=[1,2]",
+        "target.max_model_len=512",
+        "target.dtype=float32",
+    )
     cfg = extract_config(tmp_path, data, *tiny, "extract.dry_run=true", "plan.tokens_per_s=12")
     assert before_extraction(cfg) is True  # printed, and the stage stops there
     out = capsys.readouterr().out
@@ -131,7 +151,14 @@ def test_dry_run_refusal_and_shard_count(tmp_path, tiny_qwen3_dir, capsys):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     args = [f"paths.root={tmp_path}", f"extract.data_dir={data}", "extract.splits=[train]", *tiny]
     for module, extra in (("extract.plan", []), ("extract", ["extract.dry_run=true"])):
-        proc = subprocess.run([sys.executable, "-m", module, *args, *extra], capture_output=True, text=True,
-                              cwd=REPO, env=env, timeout=300, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args, *extra],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+            check=False,
+        )
         assert proc.returncode == 0 and "store bytes: ~" in proc.stdout, proc.stdout + proc.stderr
     assert not (tmp_path / "store").exists()

@@ -35,7 +35,11 @@ def logits_of(draft, seed=0):
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["from-full-vocab", "from-reduced-vocab"])
 def test_pruned_logits_equal_original_on_kept_tokens(setup, verifier, tmp_path, reduced):
-    src = setup.drafter if not reduced else export_tiny_drafter(setup.verifier_dir, tmp_path / "reduced", draft_vocab_size=512)
+    src = (
+        setup.drafter
+        if not reduced
+        else export_tiny_drafter(setup.verifier_dir, tmp_path / "reduced", draft_vocab_size=512)
+    )
     original = load_drafter(src, verifier)
     old_ids = original.target_ids.numpy()
     keep = np.sort(np.random.default_rng(0).choice(old_ids, size=100, replace=False))
@@ -81,8 +85,9 @@ def test_counts_from_store_jsonl_and_npy(setup, tmp_path):
 
 def test_prune_stage(setup):
     out = setup.root / "pruned-drafter"
-    cfg = compose_cfg(setup, f"prune.out={out}", f"prune.counts={setup.store}", "prune.draft_vocab_size=64",
-                      config_name="prune")
+    cfg = compose_cfg(
+        setup, f"prune.out={out}", f"prune.counts={setup.store}", "prune.draft_vocab_size=64", config_name="prune"
+    )
     report = run(cfg)
     assert report["pruned"]["draft_vocab_size"] == 64 and report["original"]["draft_vocab_size"] == VOCAB
     on_disk = json.loads((out / PRUNE_REPORT).read_text())

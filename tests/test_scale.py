@@ -97,8 +97,14 @@ def tp_server(tiny_dir, tmp_path_factory):
     staging.mkdir(mode=0o700)
     (env,) = server_envs(2, False, SERVER_ENV, tp=2)
     extra = [*tp_args(2), *FAST_START, *deterministic_args(MAX_LEN + 1)]
-    with VLLMServer(tiny_dir, run_dir, extra_args=server_args(TINY_LAYERS, "cpu", staging, extra), env=env,
-                    max_model_len=MAX_LEN + 1, dtype="float32") as srv:  # fmt: skip
+    with VLLMServer(
+        tiny_dir,
+        run_dir,
+        extra_args=server_args(TINY_LAYERS, "cpu", staging, extra),
+        env=env,
+        max_model_len=MAX_LEN + 1,
+        dtype="float32",
+    ) as srv:
         srv.staging = staging
         yield srv
 
@@ -107,18 +113,32 @@ def tp_server(tiny_dir, tmp_path_factory):
 @TWO_CORES
 def test_two_nodes_write_one_store_equal_to_one_node(tiny_dir, tp_server, tmp_path):
     vocab = 151_000
-    data = write_dataset(tmp_path / "data", tiny_dir, {
-        "train": chat_rows(tiny_dir, 0, 4) + random_rows(100, [1, 3, 40, 90, 17, 200, 64], vocab, seed=1),
-        "eval": random_rows(500, [5, 60, 31], vocab, seed=2),
-    })  # fmt: skip
-    server = (f"extract.server_url={tp_server.url}", f"extract.staging_dir={tp_server.staging}",
-              "extract.shard_samples=2")
+    data = write_dataset(
+        tmp_path / "data",
+        tiny_dir,
+        {
+            "train": chat_rows(tiny_dir, 0, 4) + random_rows(100, [1, 3, 40, 90, 17, 200, 64], vocab, seed=1),
+            "eval": random_rows(500, [5, 60, 31], vocab, seed=2),
+        },
+    )
+    server = (
+        f"extract.server_url={tp_server.url}",
+        f"extract.staging_dir={tp_server.staging}",
+        "extract.shard_samples=2",
+    )
     one = tmp_path / "one-node"
     run_in_process(stage_overrides(tiny_dir, one, data, *server))
     two = tmp_path / "two-nodes"
-    nodes = [subprocess.Popen(stage_command(stage_overrides(tiny_dir, two, data, *server, "nodes=2", f"node_rank={r}")),
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            stage_command(stage_overrides(tiny_dir, two, data, *server, "nodes=2", f"node_rank={r}")),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for node in nodes:
         out, _ = node.communicate(timeout=300)
         assert node.returncode == 0, out[-3000:]
@@ -140,27 +160,45 @@ def test_two_nodes_write_one_store_equal_to_one_node(tiny_dir, tp_server, tmp_pa
 
 
 def journals(data_dir: Path) -> dict[str, list[dict]]:
-    return {p.name: [json.loads(line) for line in p.read_text().splitlines()]
-            for p in sorted(data_dir.glob("regen-*.jsonl"))}  # fmt: skip
+    return {
+        p.name: [json.loads(line) for line in p.read_text().splitlines()]
+        for p in sorted(data_dir.glob("regen-*.jsonl"))
+    }
 
 
 @pytest.mark.vllm
 @TWO_CORES
 def test_regeneration_on_two_servers_once_each_and_resumable(tiny_dir, tmp_path):
     n = 16
-    prompts = write_lines(tmp_path / "p.jsonl", [sharegpt(f"Tell me fact {i}.", "x", f"And why {i}?")
-                                                 for i in range(n)])  # fmt: skip
+    prompts = write_lines(
+        tmp_path / "p.jsonl", [sharegpt(f"Tell me fact {i}.", "x", f"And why {i}?") for i in range(n)]
+    )
     out = tmp_path / "data"
-    cli = [sys.executable, "-m", "extract.data", "target=qwen3-0.6b", f"target.name_or_path={tiny_dir}",
-           "target.dtype=float32", "target.max_model_len=1024", "target.aux_layer_ids=[1,2]", f"paths.data_dir={out}",
-           "data=jsonl",
-           f"data.path={prompts}", "data.eval_fraction=0.2", "regen.max_new_tokens=8", "regen.concurrency=2",
-           "tokenize.min_loss_tokens=1", "gpus=2", f"server.extra_args=[{','.join(FAST_START)}]",
-           "server.env.VLLM_CPU_KVCACHE_SPACE=1"]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-m",
+        "extract.data",
+        "target=qwen3-0.6b",
+        f"target.name_or_path={tiny_dir}",
+        "target.dtype=float32",
+        "target.max_model_len=1024",
+        "target.aux_layer_ids=[1,2]",
+        f"paths.data_dir={out}",
+        "data=jsonl",
+        f"data.path={prompts}",
+        "data.eval_fraction=0.2",
+        "regen.max_new_tokens=8",
+        "regen.concurrency=2",
+        "tokenize.min_loss_tokens=1",
+        "gpus=2",
+        f"server.extra_args=[{','.join(FAST_START)}]",
+        "server.env.VLLM_CPU_KVCACHE_SPACE=1",
+    ]
 
     # Node 0 of 2, killed once a few of its conversations are journaled.
-    proc = subprocess.Popen([*cli, "nodes=2", "node_rank=0"], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [*cli, "nodes=2", "node_rank=0"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 600  # two servers booting on two (possibly busy) cores
     while sum(map(len, journals(out).values())) < 2:
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
@@ -184,7 +222,9 @@ def test_regeneration_on_two_servers_once_each_and_resumable(tiny_dir, tmp_path)
     assert after[name] == before[name]  # kept, not redone
     entries = [e for lines in after.values() for e in lines]
     assert sorted(e["sample_id"] for e in entries) == all_ids  # every conversation exactly once
-    rows = [json.loads(line) for split in ("train", "eval") for line in (out / f"{split}.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for split in ("train", "eval") for line in (out / f"{split}.jsonl").read_text().splitlines()
+    ]
     assert sorted(r["sample_id"] for r in rows) == all_ids
     summary = json.loads((out / "summary.json").read_text())
     assert summary["regeneration"]["conversations"] == n
@@ -194,7 +234,7 @@ def test_regeneration_on_two_servers_once_each_and_resumable(tiny_dir, tmp_path)
         entry = by_id[row["sample_id"]]
         check_mask_against_template(chat, row, entry["messages"], entry["finished"])
     # Both servers of the rerun answered chat requests, each on its own core.
-    runs = [p.read_text()[sizes.get(p, 0):] for p in logs.glob("*.log")]
+    runs = [p.read_text()[sizes.get(p, 0) :] for p in logs.glob("*.log")]
     runs = [text for text in runs if " start: " in text]  # not the killed run's servers logging their exit
     assert len(runs) == 2 and all("POST /v1/chat/completions" in text for text in runs)
     cores = [text.split("local_rank=0, core ids=")[1].split("\n")[0] for text in runs]

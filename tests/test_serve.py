@@ -34,7 +34,12 @@ def test_bad_input(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
 def test_refuses_without_cuda(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "dspark"}))
-    proc = subprocess.run([sys.executable, "-m", "eval.serve", f"drafter={tmp_path}"],
-                          capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.serve", f"drafter={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "needs a CUDA GPU" in proc.stderr

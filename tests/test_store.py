@@ -48,8 +48,14 @@ def start_python(code: str, *args: str, **kw) -> subprocess.Popen:
     """Start `code` in a fresh interpreter that can import this test module's helpers."""
     prelude = f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code), *args],
-                            env=env, cwd=REPO, text=True, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(code), *args],
+        env=env,
+        cwd=REPO,
+        text=True,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
 
 
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -60,8 +66,15 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
 
 def verify_cli(path: Path) -> subprocess.CompletedProcess:
     """`python -m extract.verify store=<path>`, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "extract.verify", f"store={path}"], capture_output=True, check=False,
-                          text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "extract.verify", f"store={path}"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def dir_bytes(path: Path) -> int:
@@ -151,8 +164,10 @@ def test_layout_manifest_and_reads(tmp_path, capsys):
     stored = sum(dir_bytes(path / "shards" / n / "hidden") for n in ("00000", "00001"))
     n_tokens = sum(len(s.token_ids) for s in samples)
     with capsys.disabled():
-        print(f"\n[store] gaussian bf16 hidden: {stored / n_tokens:.0f} B/token stored vs {raw / n_tokens:.0f} raw "
-              f"({raw / stored:.2f}x)")
+        print(
+            f"\n[store] gaussian bf16 hidden: {stored / n_tokens:.0f} B/token stored vs {raw / n_tokens:.0f} raw "
+            f"({raw / stored:.2f}x)"
+        )
     assert raw / stored > 1.2  # lossless compression is on (exactness is asserted above)
 
 
@@ -213,8 +228,16 @@ def test_bad_samples_are_refused_naming_the_field(tmp_path):
     before = (tmp_path / "s" / "manifest.json").read_bytes()
     good = make_sample(2, 10)
     bad = [
-        (Sample(2, good.token_ids, good.loss_mask, good.hidden[:, :2]), ValueError, r"sample 2: hidden has shape \[10, 2, 32\]"),
-        (Sample(2, good.token_ids, good.loss_mask, good.hidden.astype(np.float32)), TypeError, "sample 2: hidden must be uint16"),
+        (
+            Sample(2, good.token_ids, good.loss_mask, good.hidden[:, :2]),
+            ValueError,
+            r"sample 2: hidden has shape \[10, 2, 32\]",
+        ),
+        (
+            Sample(2, good.token_ids, good.loss_mask, good.hidden.astype(np.float32)),
+            TypeError,
+            "sample 2: hidden must be uint16",
+        ),
         (Sample(2, good.token_ids[:5], good.loss_mask, good.hidden), ValueError, "sample 2: token_ids"),
         (Sample(2, good.token_ids, good.loss_mask + 2, good.hidden), ValueError, "sample 2: loss_mask"),
         (make_sample(1, 4), ValueError, r"already committed .*\[1\]"),
@@ -365,8 +388,12 @@ def test_verify_detects_flipped_byte_and_truncated_file(tmp_path):
     manifest["shards"][1]["n_tokens"] += 1
     (path / "manifest.json").write_text(json.dumps(manifest))
     problems = ShardStore.open(path).verify()
-    assert {p.split(":")[0] for p in problems} == {"shards/00001/hidden", "shards/00001/token_ids",
-                                                  "shards/00001/loss_mask", "shards/00001"}, problems
+    assert {p.split(":")[0] for p in problems} == {
+        "shards/00001/hidden",
+        "shards/00001/token_ids",
+        "shards/00001/loss_mask",
+        "shards/00001",
+    }, problems
 
 
 # --------------------------------------------------------------------------- fsspec URLs

@@ -83,8 +83,12 @@ def test_converted_smollm2_is_a_working_hf_model(smollm2_dir):
     assert "quantization_config" not in config and config["vocab_size"] == 49152 and config["num_hidden_layers"] == 30
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)  # fmt: skip
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, prompt["input_ids"].shape[1] :])  # real weights, not noise
 
@@ -103,6 +107,7 @@ def test_smollm2_needs_an_explicit_mask_token(smollm2_dir):
     assert tok.convert_ids_to_tokens(chosen) == "<empty_output>" and chosen in tok.all_special_ids + [
         i for i, t in tok.added_tokens_decoder.items() if t.special
     ]
+
     # Chat never produces it: the template does not, and plain text cannot spell a special token.
     def exchange(user: str, reply: str) -> list[int]:
         return chat.encode([{"role": "user", "content": user}, {"role": "assistant", "content": reply}], [True])[0]
@@ -115,8 +120,12 @@ def test_smollm2_loss_mask(smollm2_dir):
     chat = ChatTokenizer(smollm2_dir)
     tok = chat.tokenizer
     assert tok.convert_ids_to_tokens(chat.end_of_turn) == ["<|im_end|>"]
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
-                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye"},
+    ]
     ids, mask = chat.encode(messages, [True, False])
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)  # default system prompt included
     loss = [i for i, m in enumerate(mask) if m]
@@ -155,8 +164,16 @@ def test_tokenizer_sha256_follows_tokenizer_and_template(tiny_qwen3_dir, tmp_pat
 @pytest.mark.vllm
 def test_make_data_defaults_on_embedded_smollm2(smollm2_dir, smollm2_cache, tmp_path):
     out = tmp_path / "data"
-    cmd = [sys.executable, "-m", "extract.data", f"paths.data_dir={out}", "data.max_samples=4",
-           "regen.max_new_tokens=16", "tokenize.min_loss_tokens=4", "server.extra_args=[--enforce-eager]"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "extract.data",
+        f"paths.data_dir={out}",
+        "data.max_samples=4",
+        "regen.max_new_tokens=16",
+        "tokenize.min_loss_tokens=4",
+        "server.extra_args=[--enforce-eager]",
+    ]
     env = os.environ | {"DSPARK_CACHE": str(smollm2_cache), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -193,9 +210,16 @@ def tiny_llama_dir(smollm2_dir, tmp_path_factory) -> Path:
     from transformers import LlamaConfig
 
     out = tmp_path_factory.mktemp("tiny-llama") / "Tiny-Llama"
-    LlamaConfig(vocab_size=49280, hidden_size=64, intermediate_size=128, num_hidden_layers=28,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
-                dtype="bfloat16").save_pretrained(out)  # fmt: skip
+    LlamaConfig(
+        vocab_size=49280,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=28,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, out / name)
@@ -231,8 +255,10 @@ def test_auto_target_derives_the_documented_defaults(smollm2_dir, tiny_qwen3_dir
 
 
 def test_auto_target_errors_name_the_field(tiny_llama_dir, tiny_qwen3_dir, tmp_path):
-    with (pytest.raises(UserError, match=r"target\.name_or_path=\.\.\."),
-          initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None)):
+    with (
+        pytest.raises(UserError, match=r"target\.name_or_path=\.\.\."),
+        initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None),
+    ):
         load_section(TargetConfig, compose(config_name="extract", overrides=["target=auto"]), "target")
 
     def broken(drop: str | None = None, text: str | None = None) -> Path:
@@ -269,8 +295,11 @@ def test_store_check_names_each_differing_field(tiny_qwen3_dir):
     attrs = {"target": target.store_attrs(), "tokenizer_sha256": target.tokenizer_sha256}
     target.check_store(attrs, "store=x")
     other = {**attrs, "target": {**attrs["target"], "layer_ids": [1, 3, 4], "hidden_size": 32}}
-    with pytest.raises(UserError, match=r"store=x holds states of another target or layers: hidden_size: store "
-                                        r"has 32, this run needs 64; layer_ids"):
+    with pytest.raises(
+        UserError,
+        match=r"store=x holds states of another target or layers: hidden_size: store "
+        r"has 32, this run needs 64; layer_ids",
+    ):
         target.check_store(other, "store=x")
     target.check_store(other | {"target": {**other["target"], "hidden_size": 64}}, "store=x", layers=False)
     with pytest.raises(UserError, match="name_or_path: store has 'Qwen/Qwen3-0.6B'"):
@@ -281,19 +310,47 @@ def test_store_check_names_each_differing_field(tiny_qwen3_dir):
 
 def test_data_stage_records_the_derived_target_for_later_passes(tiny_qwen3_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"Question {i}?"},
-                                                               {"from": "gpt", "value": f"Answer {i}, in words."}]})
-                               + "\n" for i in range(6)))  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "conversations": [
+                        {"from": "human", "value": f"Question {i}?"},
+                        {"from": "gpt", "value": f"Answer {i}, in words."},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     out = tmp_path / "data"
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="data", overrides=[
-            "target=auto", f"target.name_or_path={tiny_qwen3_dir}", "target.mask_token_id=151700", "data=jsonl",
-            f"data.path={prompts}", "regen.enabled=false", "tokenize.min_loss_tokens=1", f"paths.data_dir={out}"])
+        cfg = compose(
+            config_name="data",
+            overrides=[
+                "target=auto",
+                f"target.name_or_path={tiny_qwen3_dir}",
+                "target.mask_token_id=151700",
+                "data=jsonl",
+                f"data.path={prompts}",
+                "regen.enabled=false",
+                "tokenize.min_loss_tokens=1",
+                f"paths.data_dir={out}",
+            ],
+        )
     run_data_stage(cfg)
     assert "aux_layer_ids = [1, 2, 3] (derived" in capsys.readouterr().out  # what it chose is printed
     recorded = json.loads((out / "summary.json").read_text())["target"]
-    assert (recorded["aux_layer_ids"], recorded["mask_token_id"], recorded["max_model_len"]) == ([1, 2, 3], 151700, 4096)
-    assert recorded["chat_template_kwargs"] == {"enable_thinking": False} and recorded["derived"]["mask_token_id"] == "config"
+    assert (recorded["aux_layer_ids"], recorded["mask_token_id"], recorded["max_model_len"]) == (
+        [1, 2, 3],
+        151700,
+        4096,
+    )
+    assert (
+        recorded["chat_template_kwargs"] == {"enable_thinking": False}
+        and recorded["derived"]["mask_token_id"] == "config"
+    )
     # A later pass with target=auto reuses the recorded choices (here the hand-set mask id) ...
     later = resolve_target(auto_target(str(tiny_qwen3_dir)), dataset_target(out))
     assert later.mask_token_id == 151700 and later.chosen["mask_token_id"].startswith("dataset summary")

@@ -167,8 +167,9 @@ def two_rank_run(world) -> Path:
 
 
 def ddp_split(world) -> StoreSplit:
-    return StoreSplit.open(ShardStore.open(world.train_store), str(world.train_store),
-                           DDP_TRAIN["train.tokens_per_micro_batch"])
+    return StoreSplit.open(
+        ShardStore.open(world.train_store), str(world.train_store), DDP_TRAIN["train.tokens_per_micro_batch"]
+    )
 
 
 def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
@@ -177,14 +178,16 @@ def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
     split = ddp_split(world)
     assert split.counts == {"samples": 64, "long_samples": 3, "windows": 8, "windows_left_out": 1}
     untrained = {i for i, ref in enumerate(split.refs) if not world.train_samples[ref.sample_id][1].any()}
-    planner = StepPlanner(split.lengths, DDP_TRAIN["train.tokens_per_step"], DDP_TRAIN["train.tokens_per_micro_batch"],
-                          0)
+    planner = StepPlanner(
+        split.lengths, DDP_TRAIN["train.tokens_per_step"], DDP_TRAIN["train.tokens_per_micro_batch"], 0
+    )
     assert len(planner.epoch(0)) == STEPS
     shares = [[share_of_rank(planner, step, r, 2) for r in range(2)] for step in planner.epoch(0)]
     assert any(not share[1] for share in shares)
     assert any(
         all(set(b) <= untrained for b in share[r]) and share[r] and any(set(b) - untrained for b in share[1 - r])
-        for share in shares for r in range(2)
+        for share in shares
+        for r in range(2)
     )
 
     one_rank = world.root / "runs" / "one-rank"
@@ -196,8 +199,9 @@ def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
     losses_1, losses_2 = rows(one_rank, "train"), rows(two_rank_run, "train")
     assert sorted(losses_1) == sorted(losses_2) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([losses_1[s]["loss"] for s in losses_1], [losses_2[s]["loss"] for s in losses_1],
-                               rtol=1e-4)
+    np.testing.assert_allclose(
+        [losses_1[s]["loss"] for s in losses_1], [losses_2[s]["loss"] for s in losses_1], rtol=1e-4
+    )
     # Weights moved: the comparison is not between two untouched initializations.
     assert losses_2[STEPS]["loss"] < losses_2[1]["loss"]
 
@@ -223,8 +227,9 @@ def writing_checkpoint(run_dir: Path) -> bool:
     return root.is_dir() and any(name.endswith(".partial") for name in os.listdir(root))
 
 
-def kill_when(proc: subprocess.Popen, ready, *, whole_tree: bool, delay_s: float = 0.0,
-              stop_only: bool = False) -> list[psutil.Process]:
+def kill_when(
+    proc: subprocess.Popen, ready, *, whole_tree: bool, delay_s: float = 0.0, stop_only: bool = False
+) -> list[psutil.Process]:
     """SIGKILL the run (its whole tree, or the launcher alone) `delay_s` after `ready()`; returns
     the processes below the launcher at that moment (the ranks and their data workers).
     `stop_only`: SIGSTOP rank 1 instead (a hung peer) and leave the run going."""
@@ -274,7 +279,10 @@ def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_
     out = train_to_end(2, args)
     assert "resuming from" in out
 
-    ref, got = load_file(two_rank_run / "drafter" / "model.safetensors"), load_file(run_dir / "drafter" / "model.safetensors")
+    ref, got = (
+        load_file(two_rank_run / "drafter" / "model.safetensors"),
+        load_file(run_dir / "drafter" / "model.safetensors"),
+    )
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
@@ -292,8 +300,9 @@ def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_
 
 def test_a_rank_stuck_on_a_hung_peer_fails_after_the_collective_timeout(world, tmp_path):
     run_dir = tmp_path / "run"
-    proc = torchrun(2, overrides(world, run_dir, **{**DDP_TRAIN, "train.collective_timeout_s": 3,
-                                                     "train.data_workers": 0}))
+    proc = torchrun(
+        2, overrides(world, run_dir, **{**DDP_TRAIN, "train.collective_timeout_s": 3, "train.data_workers": 0})
+    )
     try:
         kill_when(proc, lambda: max(logged_steps(run_dir), default=0) >= 1, whole_tree=False, stop_only=True)
         started, seen = time.monotonic(), []
@@ -342,10 +351,20 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
 
 def test_training_raises_held_out_tau(world):
     run_dir = world.root / "runs" / "learn"
-    train_to_end(2, overrides(world, run_dir, **{
-        "train.tokens_per_step": 512, "train.tokens_per_micro_batch": 256, "train.epochs": 30,
-        "train.eval_on_start": "true", "train.log_every": 10,
-    }))
+    train_to_end(
+        2,
+        overrides(
+            world,
+            run_dir,
+            **{
+                "train.tokens_per_step": 512,
+                "train.tokens_per_micro_batch": 256,
+                "train.epochs": 30,
+                "train.eval_on_start": "true",
+                "train.log_every": 10,
+            },
+        ),
+    )
     evals = rows(run_dir, "eval")
     untrained, trained = evals[0]["tau"], evals[max(evals)]["tau"]
     assert max(evals) >= 200
@@ -354,11 +373,23 @@ def test_training_raises_held_out_tau(world):
 
     # Warm start from the exported drafter: its first evaluation is the trained one.
     warm = world.root / "runs" / "warm"
-    run(compose_cfg(overrides(world, warm, **{
-        "train.init_from": str(run_dir / "drafter"), "train.eval_on_start": "true", "train.max_steps": 1,
-        "train.tokens_per_step": 512, "train.tokens_per_micro_batch": 256, "train.export": "false",
-        "train.data_workers": 0,
-    })))
+    run(
+        compose_cfg(
+            overrides(
+                world,
+                warm,
+                **{
+                    "train.init_from": str(run_dir / "drafter"),
+                    "train.eval_on_start": "true",
+                    "train.max_steps": 1,
+                    "train.tokens_per_step": 512,
+                    "train.tokens_per_micro_batch": 256,
+                    "train.export": "false",
+                    "train.data_workers": 0,
+                },
+            )
+        )
+    )
     assert rows(warm, "eval")[0]["tau"] == pytest.approx(trained, rel=1e-6)
 
 
@@ -384,15 +415,22 @@ def test_refuses_store_with_other_layers(world, tmp_path):
 
 def test_refuses_empty_training_split(world, tmp_path):
     ShardStore.create_or_open(tmp_path / "empty", store_target(world.verifier), tokenizer_sha256(world.verifier))
-    expect_refusal(world, tmp_path, ValueError, "no committed samples",
-                   **{"train.train_store": str(tmp_path / "empty")})
+    expect_refusal(
+        world, tmp_path, ValueError, "no committed samples", **{"train.train_store": str(tmp_path / "empty")}
+    )
 
 
 def test_refuses_missing_vocab_inputs(world, tmp_path):
-    expect_refusal(world, tmp_path, FileNotFoundError, "does not exist",
-                   **{"train.vocab_mapping": str(tmp_path / "missing.safetensors")})
-    expect_refusal(world, tmp_path, FileNotFoundError, "train.token_freqs",
-                   **{"train.token_freqs": str(tmp_path / "missing.npy")})
+    expect_refusal(
+        world,
+        tmp_path,
+        FileNotFoundError,
+        "does not exist",
+        **{"train.vocab_mapping": str(tmp_path / "missing.safetensors")},
+    )
+    expect_refusal(
+        world, tmp_path, FileNotFoundError, "train.token_freqs", **{"train.token_freqs": str(tmp_path / "missing.npy")}
+    )
 
 
 def test_refuses_a_different_vocab_mapping(world, tmp_path):
@@ -401,13 +439,27 @@ def test_refuses_a_different_vocab_mapping(world, tmp_path):
     other = save_mapping(tmp_path / "other.safetensors", *build_mapping(counts, 128))
     # The run's own mapping (built from token_freqs on the first start) must be reused.
     run_dir = tmp_path / "run"
-    run(compose_cfg(overrides(world, run_dir, **{"train.max_steps": 1, "train.eval_store": "null",
-                                                  "train.export": "false", "train.data_workers": 0})))
+    run(
+        compose_cfg(
+            overrides(
+                world,
+                run_dir,
+                **{"train.max_steps": 1, "train.eval_store": "null", "train.export": "false", "train.data_workers": 0},
+            )
+        )
+    )
     with pytest.raises(ValueError, match="vocab mapping mismatch"):
         run(compose_cfg(overrides(world, run_dir, **{"train.vocab_mapping": str(other), "train.max_steps": 2})))
     with pytest.raises(ValueError, match="vocab mapping mismatch"):
-        run(compose_cfg(overrides(world, tmp_path / "warm", **{
-            "train.vocab_mapping": str(other), "train.init_from": str(run_dir / "checkpoints" / "latest")})))
+        run(
+            compose_cfg(
+                overrides(
+                    world,
+                    tmp_path / "warm",
+                    **{"train.vocab_mapping": str(other), "train.init_from": str(run_dir / "checkpoints" / "latest")},
+                )
+            )
+        )
     assert not (tmp_path / "warm" / "checkpoints").exists()
 
 
@@ -493,16 +545,33 @@ def test_windows_cover_every_anchor_once():
 
 def short_run(world, run_dir: Path, **extra) -> dict[str, float]:
     """One in-process rank, 2 steps of 2 samples, a checkpoint every step, no eval, no export."""
-    return run(compose_cfg(overrides(world, run_dir, **{
-        "train.tokens_per_step": 300, "train.tokens_per_micro_batch": 300, "train.data_workers": 0,
-        "train.eval_store": "null", "train.export": "false", "train.save_every": 1, "train.max_steps": 2,
-        "train.keep_last": 10, **extra,
-    })))
+    return run(
+        compose_cfg(
+            overrides(
+                world,
+                run_dir,
+                **{
+                    "train.tokens_per_step": 300,
+                    "train.tokens_per_micro_batch": 300,
+                    "train.data_workers": 0,
+                    "train.eval_store": "null",
+                    "train.export": "false",
+                    "train.save_every": 1,
+                    "train.max_steps": 2,
+                    "train.keep_last": 10,
+                    **extra,
+                },
+            )
+        )
+    )
 
 
 def steps_logged(run_dir: Path) -> list[int]:
-    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r["split"] == "train"]
+    return [
+        r["step"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"
+    ]
 
 
 def test_resume_finds_the_newest_complete_checkpoint_itself(world, tmp_path, capsys):
@@ -550,12 +619,19 @@ def test_resume_refuses_a_changed_objective_or_schedule(world, tmp_path):
 
 def test_eval_store_must_be_held_out(world, tmp_path):
     split_train = tmp_path / "split-train"
-    ShardStore.create_or_open(split_train, store_target(world.verifier), tokenizer_sha256(world.verifier),
-                              extra_attrs={"split": "train"})
-    expect_refusal(world, tmp_path, UserError, "holds the 'train' split, not 'eval'",
-                   **{"train.eval_store": str(split_train)})
-    expect_refusal(world, tmp_path, UserError, "train.eval_store is train.train_store",
-                   **{"train.eval_store": str(world.train_store)})
+    ShardStore.create_or_open(
+        split_train, store_target(world.verifier), tokenizer_sha256(world.verifier), extra_attrs={"split": "train"}
+    )
+    expect_refusal(
+        world, tmp_path, UserError, "holds the 'train' split, not 'eval'", **{"train.eval_store": str(split_train)}
+    )
+    expect_refusal(
+        world,
+        tmp_path,
+        UserError,
+        "train.eval_store is train.train_store",
+        **{"train.eval_store": str(world.train_store)},
+    )
 
 
 class Payload:

@@ -64,9 +64,7 @@ def test_build_mapping_matches_speculators():
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 20, size=500)  # many ties
     d2t, t2d = build_mapping(counts, 64)
-    want_d2t, want_t2d = build_vocab_mappings_from_distribution(
-        {i: int(c) for i, c in enumerate(counts)}, 64, 500
-    )
+    want_d2t, want_t2d = build_vocab_mappings_from_distribution({i: int(c) for i, c in enumerate(counts)}, 64, 500)
     assert torch.equal(d2t, want_d2t) and torch.equal(t2d, want_t2d)
 
 

@@ -44,9 +44,16 @@ def make_bigram_verifier(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
@@ -84,9 +91,15 @@ def generate(verifier_dir: Path, prompts: np.ndarray, max_len: int, seed: int) -
     model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
     torch.manual_seed(seed)
     out = model.generate(
-        torch.from_numpy(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_len - prompts.shape[1],
-        min_new_tokens=max_len - prompts.shape[1], pad_token_id=0,
+        torch.from_numpy(prompts),
+        attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_len - prompts.shape[1],
+        min_new_tokens=max_len - prompts.shape[1],
+        pad_token_id=0,
     )
     return out.numpy().astype(np.int64)
 
@@ -111,8 +124,15 @@ def extract(verifier_dir: Path, layer_ids: list[int], token_ids: list[np.ndarray
     return out
 
 
-def write_store(url: Path, verifier_dir: Path, samples: list[tuple[np.ndarray, np.ndarray]], *,
-                first_id: int = 0, target: dict | None = None, shard_size: int = 16) -> ShardStore:
+def write_store(
+    url: Path,
+    verifier_dir: Path,
+    samples: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    first_id: int = 0,
+    target: dict | None = None,
+    shard_size: int = 16,
+) -> ShardStore:
     """A store holding `(token_ids, loss_mask)` samples with the verifier's hidden states."""
     target = target or store_target(verifier_dir)
     store = ShardStore.create_or_open(url, target, tokenizer_sha256(verifier_dir))
@@ -126,8 +146,15 @@ def write_store(url: Path, verifier_dir: Path, samples: list[tuple[np.ndarray, n
     return store
 
 
-def make_samples(verifier_dir: Path, n: int, seed: int, min_len: int = 24, max_len: int = 64,
-                 prompt_len: int = 6, empty_masks: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def make_samples(
+    verifier_dir: Path,
+    n: int,
+    seed: int,
+    min_len: int = 24,
+    max_len: int = 64,
+    prompt_len: int = 6,
+    empty_masks: int = 0,
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """`n` samples: a random prompt (not trained) and the verifier's sampled response
     (trained); the first `empty_masks` of them have no trained token at all."""
     rng = np.random.default_rng(seed)

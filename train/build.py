@@ -51,8 +51,13 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))
     # Experiment trackers (train.log_with); TensorBoard events go to run_dir/tensorboard/<run_name>.
     project = ProjectConfiguration(project_dir=cfg.run_dir, logging_dir=str(Path(cfg.run_dir) / "tensorboard"))
-    return Accelerator(cpu=not cuda, mixed_precision=precision, kwargs_handlers=[timeout],
-                       log_with=cfg.log_with or None, project_config=project)
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=precision,
+        kwargs_handlers=[timeout],
+        log_with=cfg.log_with or None,
+        project_config=project,
+    )
 
 
 def open_store(url: str, field: str, target: Target) -> ShardStore:
@@ -168,8 +173,7 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     train_split = open_split(cfg.train_store, "train_store", target, cfg.tokens_per_micro_batch)
     eval_split = None
     if cfg.eval_store is not None:
-        eval_split = open_split(cfg.eval_store, "eval_store", target, cfg.tokens_per_micro_batch,
-                                cfg.eval_max_samples)
+        eval_split = open_split(cfg.eval_store, "eval_store", target, cfg.tokens_per_micro_batch, cfg.eval_max_samples)
 
     vocab_size = target.vocab_size
     # Rank 0 writes the run's mapping; the others read what it wrote.
@@ -184,8 +188,9 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         d2t = mapping[0]
 
     torch.manual_seed(cfg.seed)
-    model = DSparkDraft(draft_cfg, target.text_config, target.aux_layer_ids, target.mask_token_id,
-                        d2t=d2t).to(accelerator.device)
+    model = DSparkDraft(draft_cfg, target.text_config, target.aux_layer_ids, target.mask_token_id, d2t=d2t).to(
+        accelerator.device
+    )
     # On the device first: the draft then shares the verifier's embedding instead of copying it.
     verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
     model.load_verifier(verifier)

@@ -56,8 +56,7 @@ def step_dirs(run_dir: Path) -> dict[int, Path]:
 
 def is_complete(path: Path) -> bool:
     """Whether `path` holds every file a resume reads."""
-    return all((path / name).is_file() for name in (STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, CONFIG_FILE,
-                                                    rng_file(0)))
+    return all((path / name).is_file() for name in (STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, CONFIG_FILE, rng_file(0)))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -105,8 +104,13 @@ def load_trainable_state(model: nn.Module, weights: dict[str, torch.Tensor], sou
 def capture_rng() -> dict[str, Any]:
     """Every RNG state of this process as tensors and plain values (loadable with weights_only)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    numpy_state = {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(gauss),
+    }
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -116,8 +120,15 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

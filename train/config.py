@@ -92,11 +92,19 @@ class TrainConfig(Checked):
     ema_decay: float | None
     """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
 
-
     def __post_init__(self) -> None:
         self.at_least(2, "tokens_per_micro_batch")  # a long sample's windows overlap by one token
-        self.at_least(1, "epochs", "tokens_per_step", "tokens_per_micro_batch", "save_every", "keep_last",
-                      "log_every", "prefetch_steps", "eval_num_anchors")
+        self.at_least(
+            1,
+            "epochs",
+            "tokens_per_step",
+            "tokens_per_micro_batch",
+            "save_every",
+            "keep_last",
+            "log_every",
+            "prefetch_steps",
+            "eval_num_anchors",
+        )
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
         self.at_least(1, "max_steps", "eval_max_samples", nullable=True)
         self.positive("lr", "collective_timeout_s")

@@ -82,8 +82,14 @@ class StoreSplit:
                 refs.append(SampleRef(ref.shard, ref.start + start, ref.start + end, ref.sample_id))
                 offsets.append(start)
         lengths = np.array([r.n_tokens for r in refs], dtype=np.int64)
-        return cls(url=url, refs=refs, offsets=np.array(offsets, dtype=np.int64), lengths=lengths,
-                   max_tokens=max_tokens, counts=counts)
+        return cls(
+            url=url,
+            refs=refs,
+            offsets=np.array(offsets, dtype=np.int64),
+            lengths=lengths,
+            max_tokens=max_tokens,
+            counts=counts,
+        )
 
     def fingerprint(self) -> str:
         """Identity of the window list (ids, offsets and lengths): a resumed run must see the same one."""

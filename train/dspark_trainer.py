@@ -33,16 +33,25 @@ def anchor_seed(seed: int, epoch: int, sample_id: int, train: bool, window_start
 class DSparkTrainer(Trainer):
     """Trains a `DSparkDraft` against the verifier distributions of the stored final layer."""
 
-    def __init__(self, *args, model: DSparkDraft, verifier: VerifierHead, loss_cfg: LossConfig,
-                 verifier_name_or_path: str, **kwargs):
+    def __init__(
+        self,
+        *args,
+        model: DSparkDraft,
+        verifier: VerifierHead,
+        loss_cfg: LossConfig,
+        verifier_name_or_path: str,
+        **kwargs,
+    ):
         self.loss_cfg = loss_cfg
         self.block_size = model.block_size
         self.verifier_name_or_path = verifier_name_or_path
         super().__init__(*args, model=model, **kwargs)
         self.verifier = verifier
         if loss_cfg.anchor_sampling == "confident" and self.device.type == "cuda" and self.cfg.data_workers:
-            raise UserError("loss.anchor_sampling=confident scores anchors with the verifier's head in the data "
-                            "loader; on CUDA set train.data_workers=0 (forked workers cannot use the GPU)")
+            raise UserError(
+                "loss.anchor_sampling=confident scores anchors with the verifier's head in the data "
+                "loader; on CUDA set train.data_workers=0 (forked workers cannot use the GPU)"
+            )
         self.term_names = [t for t in DISTRIBUTION_TERMS if t in loss_cfg.weights]
         if model.confidence_head is not None:
             self.term_names.append("confidence")
@@ -60,8 +69,16 @@ class DSparkTrainer(Trainer):
                 rows.append(sample_anchors(mask, num, gen))
                 continue
             hidden = batch["target_hidden"][row]
-            rows.append(train_anchors(mask, num, gen, self.loss_cfg.anchor_sampling, self.loss_cfg.anchor_pool,
-                                      lambda pos, h=hidden: self.top_probability(h[pos])))
+            rows.append(
+                train_anchors(
+                    mask,
+                    num,
+                    gen,
+                    self.loss_cfg.anchor_sampling,
+                    self.loss_cfg.anchor_pool,
+                    lambda pos, h=hidden: self.top_probability(h[pos]),
+                )
+            )
         width = max(a.shape[1] for a, _ in rows)
         anchors = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -128,8 +145,12 @@ class DSparkTrainer(Trainer):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = self.blocks(model, batch, norm)
         logs = {"loss": out.loss.detach(), **{t: out.terms[t] for t in self.term_names}}
-        logs.update(accept_sum=out.acceptance.alpha_sum.sum(), accept_prefix_sum=out.acceptance.prefix_sum.sum(),
-                    accept_slots=out.acceptance.slots.sum(), accept_blocks=out.acceptance.slots[0])
+        logs.update(
+            accept_sum=out.acceptance.alpha_sum.sum(),
+            accept_prefix_sum=out.acceptance.prefix_sum.sum(),
+            accept_slots=out.acceptance.slots.sum(),
+            accept_blocks=out.acceptance.slots[0],
+        )
         return out.loss, logs
 
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -48,8 +48,16 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 class Reporter:
     """Rank 0's progress bar, experiment trackers and metrics.jsonl; every method is a no-op elsewhere."""
 
-    def __init__(self, run_dir: Path, accelerator: Accelerator, *, run_name: str, total_steps: int, start_step: int,
-                 resumed: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        accelerator: Accelerator,
+        *,
+        run_name: str,
+        total_steps: int,
+        start_step: int,
+        resumed: bool,
+    ):
         self.enabled = accelerator.is_main_process
         self.accelerator = accelerator
         self.last_tau: float | None = None

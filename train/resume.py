@@ -22,8 +22,18 @@ from train.reporting import METRICS_FILE
 
 # The objective and the schedule: a resume may change them only with train.allow_resume_changes
 # (besides every loss.* key). max_steps may change: it stops the run, the schedule stays.
-SCHEDULE_KEYS = ("lr", "weight_decay", "adam_betas", "warmup_ratio", "min_lr_ratio", "epochs", "grad_clip",
-                 "seed", "tokens_per_step", "tokens_per_micro_batch")
+SCHEDULE_KEYS = (
+    "lr",
+    "weight_decay",
+    "adam_betas",
+    "warmup_ratio",
+    "min_lr_ratio",
+    "epochs",
+    "grad_clip",
+    "seed",
+    "tokens_per_step",
+    "tokens_per_micro_batch",
+)
 # What an earlier run leaves in its run dir (deleted by train.resume=restart).
 RUN_OUTPUTS = ("checkpoints", "tensorboard", "drafter")
 

@@ -47,14 +47,10 @@ TOKEN_CHUNK_TOKENS = 4096
 # it stores 1.54x fewer bytes than raw bf16, plain zstd 1.43x. 1 MiB blocks instead of
 # Blosc's small default compress ~8% better. Blosc is a core zarr v3 codec, so other
 # zarr implementations read the store too.
-HIDDEN_CODEC = BloscCodec(
-    cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle, typesize=2, blocksize=1 << 20
-)
+HIDDEN_CODEC = BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle, typesize=2, blocksize=1 << 20)
 # e4m3 bytes: zstd's entropy coder squeezes the skewed exponent bits (bench/bench_fp8.py
 # compares levels and filters); byte shuffle is a no-op at typesize 1.
-FP8_HIDDEN_CODEC = BloscCodec(
-    cname="zstd", clevel=3, shuffle=BloscShuffle.noshuffle, typesize=1, blocksize=1 << 20
-)
+FP8_HIDDEN_CODEC = BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.noshuffle, typesize=1, blocksize=1 << 20)
 SMALL_CODEC = ZstdCodec(level=3)
 # Hashing/verifying reads this many rows at a time so memory stays ~ a few chunks.
 VERIFY_ROWS = 16 * HIDDEN_CHUNK_TOKENS
@@ -158,12 +154,12 @@ def validate_target(target: dict) -> dict:
         raise ValueError(f"target.layer_ids must be unique, ascending and >= 0, got {ids}")
     if ids[-1] != t["num_hidden_layers"]:
         raise ValueError(
-            f"target.layer_ids must end with the final layer {t['num_hidden_layers']} "
-            f"(= num_hidden_layers), got {ids}"
+            f"target.layer_ids must end with the final layer {t['num_hidden_layers']} (= num_hidden_layers), got {ids}"
         )
     if t["dtype"] not in FORMAT_VERSIONS:
-        raise ValueError(f"target.dtype must be one of {list(FORMAT_VERSIONS)} (how hidden is stored), "
-                         f"got {t['dtype']!r}")
+        raise ValueError(
+            f"target.dtype must be one of {list(FORMAT_VERSIONS)} (how hidden is stored), got {t['dtype']!r}"
+        )
     return t
 
 

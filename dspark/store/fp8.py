@@ -21,8 +21,7 @@ def _decode_table() -> np.ndarray:
     codes = np.arange(256)
     sign = np.where(codes >> 7, -1.0, 1.0)
     exp, man = (codes >> 3) & 0xF, codes & 0x7
-    mag = np.where(exp == 0, man * 2.0 ** (E4M3_MIN_EXP - E4M3_MANTISSA_BITS),
-                   (1 + man / 8) * 2.0 ** (exp - 7))
+    mag = np.where(exp == 0, man * 2.0 ** (E4M3_MIN_EXP - E4M3_MANTISSA_BITS), (1 + man / 8) * 2.0 ** (exp - 7))
     mag[(exp == 15) & (man == 7)] = np.nan
     return (sign * mag).astype(np.float32)
 
@@ -59,7 +58,7 @@ def encode_e4m3(y: np.ndarray) -> np.ndarray:
     normal = quanta >= 8
     field = np.where(normal, e + 7, 0)
     man = np.where(normal, quanta - 8, quanta)
-    return ((np.signbit(y).astype(np.uint8) << 7) | (field << 3).astype(np.uint8) | man.astype(np.uint8))
+    return (np.signbit(y).astype(np.uint8) << 7) | (field << 3).astype(np.uint8) | man.astype(np.uint8)
 
 
 def quantize(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

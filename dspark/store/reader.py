@@ -68,13 +68,18 @@ class ShardStore:
         return ShardStore(url, files, storage_options)
 
     @staticmethod
-    def create_or_open(url: str | Path, target: dict, tokenizer_sha256: str, extra_attrs: dict | None = None, *,
-                       storage_options: dict | None = None) -> StoreWriter:
+    def create_or_open(
+        url: str | Path,
+        target: dict,
+        tokenizer_sha256: str,
+        extra_attrs: dict | None = None,
+        *,
+        storage_options: dict | None = None,
+    ) -> StoreWriter:
         """Open the store at `url` for writing, creating it if absent: see `StoreWriter.create_or_open`."""
         from dspark.store.writer import StoreWriter
 
-        return StoreWriter.create_or_open(url, target, tokenizer_sha256, extra_attrs,
-                                          storage_options=storage_options)
+        return StoreWriter.create_or_open(url, target, tokenizer_sha256, extra_attrs, storage_options=storage_options)
 
     def __reduce__(self):
         # DataLoader workers and DDP ranks get a fresh read-only handle, not open files.

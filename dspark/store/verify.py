@@ -38,8 +38,10 @@ def verify_store(store: ShardStore, on_shard: Callable[[str, list[str]], None] |
     except (ValueError, FileNotFoundError) as e:
         return problems + [str(e)]
     if manifest.get("format_version") != store.attrs["format_version"]:
-        problems.append(f"{MANIFEST}: format_version {manifest.get('format_version')!r} "
-                        f"!= root format_version {store.attrs['format_version']!r}")
+        problems.append(
+            f"{MANIFEST}: format_version {manifest.get('format_version')!r} "
+            f"!= root format_version {store.attrs['format_version']!r}"
+        )
     owner: dict[int, str] = {}
     for entry in manifest["shards"]:
         shard_problems, sample_ids = _verify_shard(store, entry)
@@ -68,8 +70,12 @@ def _verify_shard(store: ShardStore, entry: dict) -> tuple[list[str], list[int]]
     t, n = entry["n_tokens"], entry["n_samples"]
     n_layers = len(target["layer_ids"])
     expected_shapes = {
-        "hidden": (t, n_layers, target["hidden_size"]), "hidden_scale": (t, n_layers),
-        "token_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,), "sample_ids": (n,),
+        "hidden": (t, n_layers, target["hidden_size"]),
+        "hidden_scale": (t, n_layers),
+        "token_ids": (t,),
+        "loss_mask": (t,),
+        "offsets": (n + 1,),
+        "sample_ids": (n,),
     }
     readable = {}
     for key, arr in arrays.items():
@@ -90,8 +96,9 @@ def _verify_shard(store: ShardStore, entry: dict) -> tuple[list[str], list[int]]
     if "offsets" in readable and "sample_ids" in readable:
         offsets, ids = readable["offsets"][...], readable["sample_ids"][...]
         if len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != t or (np.diff(offsets) <= 0).any():
-            problems.append(f"{where}: offsets must rise strictly from 0 to n_tokens={t} with one more "
-                            f"entry than sample_ids")
+            problems.append(
+                f"{where}: offsets must rise strictly from 0 to n_tokens={t} with one more entry than sample_ids"
+            )
         if len(np.unique(ids)) != len(ids):
             problems.append(f"{where}: sample ids repeat within the shard")
         sample_ids = ids.tolist()
@@ -107,5 +114,5 @@ def _verify_shard(store: ShardStore, entry: dict) -> tuple[list[str], list[int]]
 def _streamed_sha256(arr: zarr.Array) -> str:
     h = hashlib.sha256()
     for start in range(0, max(arr.shape[0], 1), VERIFY_ROWS):
-        h.update(le_bytes(arr[start:start + VERIFY_ROWS]))
+        h.update(le_bytes(arr[start : start + VERIFY_ROWS]))
     return h.hexdigest()

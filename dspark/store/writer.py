@@ -40,9 +40,15 @@ class StoreWriter(ShardStore):
     _zarr_mode = "r+"
 
     @classmethod
-    def create_or_open(cls, url: str | Path, target: dict, tokenizer_sha256: str,
-                       extra_attrs: dict | None = None, *,
-                       storage_options: dict | None = None) -> StoreWriter:
+    def create_or_open(
+        cls,
+        url: str | Path,
+        target: dict,
+        tokenizer_sha256: str,
+        extra_attrs: dict | None = None,
+        *,
+        storage_options: dict | None = None,
+    ) -> StoreWriter:
         """Open the store at `url` for writing, creating it if absent.
 
         Refuses (StoreMismatchError naming every differing field) a store whose target,
@@ -57,12 +63,14 @@ class StoreWriter(ShardStore):
             raise ValueError(f"tokenizer_sha256 must be a non-empty string, got {tokenizer_sha256!r}")
         target = validate_target(target)
         version = FORMAT_VERSIONS[target["dtype"]]
-        identity = normalized({
-            "format_version": version,
-            "target": target,
-            "tokenizer_sha256": tokenizer_sha256,
-            **(extra_attrs or {}),
-        })
+        identity = normalized(
+            {
+                "format_version": version,
+                "target": target,
+                "tokenizer_sha256": tokenizer_sha256,
+                **(extra_attrs or {}),
+            }
+        )
         files = files_for(url, storage_options)
         files.prepare()
         # Under the manifest lock so that two writers starting together create it once.
@@ -86,9 +94,7 @@ class StoreWriter(ShardStore):
     def next_shard_name(self) -> str:
         """The lowest name above every committed, claimed or leftover shard name."""
         used = shard_indices(
-            [s["name"] for s in self.refresh()["shards"]]
-            + self._files.names_in(SHARDS)
-            + self._files.claimed_names()
+            [s["name"] for s in self.refresh()["shards"]] + self._files.names_in(SHARDS) + self._files.claimed_names()
         )
         return shard_name(max(used) + 1 if used else 0)
 
@@ -132,12 +138,16 @@ class StoreWriter(ShardStore):
             t = h.shape[0]
             ids = np.asarray(s.token_ids)
             if ids.shape != (t,) or not np.issubdtype(ids.dtype, np.integer):
-                raise ValueError(f"{where}: token_ids must be integers of shape [{t}], got {ids.dtype} {list(ids.shape)}")
+                raise ValueError(
+                    f"{where}: token_ids must be integers of shape [{t}], got {ids.dtype} {list(ids.shape)}"
+                )
             if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
                 raise ValueError(f"{where}: token_ids outside [0, 2^31): min {ids.min()}, max {ids.max()}")
             mask = np.asarray(s.loss_mask)
             if mask.shape != (t,) or not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer)):
-                raise ValueError(f"{where}: loss_mask must be bool/int of shape [{t}], got {mask.dtype} {list(mask.shape)}")
+                raise ValueError(
+                    f"{where}: loss_mask must be bool/int of shape [{t}], got {mask.dtype} {list(mask.shape)}"
+                )
             if not np.isin(mask, (0, 1)).all():
                 raise ValueError(f"{where}: loss_mask must hold only 0/1")
             if self.fp8:
@@ -165,8 +175,10 @@ class StoreWriter(ShardStore):
     def _check_new_ids(self, sample_ids: np.ndarray, manifest: dict) -> None:
         dup = sorted(set(sample_ids.tolist()) & self._committed_ids(manifest))
         if dup:
-            raise ValueError(f"write_shard: sample ids already committed in {self.url}: {dup[:10]}"
-                             + (f" (+{len(dup) - 10} more)" if len(dup) > 10 else ""))
+            raise ValueError(
+                f"write_shard: sample ids already committed in {self.url}: {dup[:10]}"
+                + (f" (+{len(dup) - 10} more)" if len(dup) > 10 else "")
+            )
 
     def _claim_name(self) -> tuple[str, LocalClaim | RemoteClaim]:
         for _ in range(MAX_CLAIM_ATTEMPTS):
@@ -178,8 +190,7 @@ class StoreWriter(ShardStore):
 
     def _write_group(self, name: str, arrays: dict[str, np.ndarray], checksums: dict[str, str]) -> None:
         # overwrite: a dead writer may have left a group under a name we now hold.
-        group = self._root.require_group(SHARDS).create_group(
-            name, overwrite=True, attributes={"checksums": checksums})
+        group = self._root.require_group(SHARDS).create_group(name, overwrite=True, attributes={"checksums": checksums})
         for key, data in arrays.items():
             if key == "hidden":
                 codec = FP8_HIDDEN_CODEC if self.fp8 else HIDDEN_CODEC
@@ -193,8 +204,13 @@ class StoreWriter(ShardStore):
             # One zarr shard (file) per array: the group stays a handful of files.
             rows = -(-len(data) // chunk) * chunk
             arr = group.create_array(
-                key, shape=data.shape, dtype=data.dtype, chunks=(chunk, *data.shape[1:]),
-                shards=(rows, *data.shape[1:]), compressors=[codec], dimension_names=dims,
+                key,
+                shape=data.shape,
+                dtype=data.dtype,
+                chunks=(chunk, *data.shape[1:]),
+                shards=(rows, *data.shape[1:]),
+                compressors=[codec],
+                dimension_names=dims,
             )
             arr[...] = data
 

@@ -34,8 +34,11 @@ def load_and_select(cfg: SourceConfig) -> tuple[SourceData, list[Conversation], 
     seen: set[str] = set()
     selected, parts = [], []
     for index, (part, quota) in enumerate(zip(cfg.sources, quotas)):
-        loaded = load_source(SourceConfig(part.source, part.path, part.hf_name, part.hf_split, None, cfg.seed,
-                                          cfg.max_turns, cfg.eval_fraction))  # fmt: skip
+        loaded = load_source(
+            SourceConfig(
+                part.source, part.path, part.hf_name, part.hf_split, None, cfg.seed, cfg.max_turns, cfg.eval_fraction
+            )
+        )
         mixed.rows += loaded.rows
         mixed.problems.merge(loaded.problems)
         fresh, duplicates = [], 0
@@ -53,8 +56,17 @@ def load_and_select(cfg: SourceConfig) -> tuple[SourceData, list[Conversation], 
         drawn = [replace(c, sample_id=c.sample_id + index * ID_STRIDE) for c in select(fresh, quota, cfg.seed)]
         mixed.conversations.extend(fresh)
         selected.extend(drawn)
-        parts.append(asdict(part) | {"name": loaded.name, "rows": loaded.rows, "usable": len(loaded.conversations),
-                                     "duplicates": duplicates, "requested": quota, "selected": len(drawn)})  # fmt: skip
+        parts.append(
+            asdict(part)
+            | {
+                "name": loaded.name,
+                "rows": loaded.rows,
+                "usable": len(loaded.conversations),
+                "duplicates": duplicates,
+                "requested": quota,
+                "selected": len(drawn),
+            }
+        )
     return mixed, sorted(selected, key=lambda c: c.sample_id), parts
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
@@ -58,20 +59,33 @@ def build_dataset(
     if not selected:
         raise UserError(f"source {loaded.name}: no usable conversation among {loaded.rows} rows (reasons above)")
 
-    settings = ChatSettings(regen.temperature, regen.top_p, regen.max_new_tokens, target.max_model_len,
-                            dict(target.chat_template_kwargs), regen.tool_calls)  # fmt: skip
+    settings = ChatSettings(
+        regen.temperature,
+        regen.top_p,
+        regen.max_new_tokens,
+        target.max_model_len,
+        dict(target.chat_template_kwargs),
+        regen.tool_calls,
+    )
     if regen.enabled:
         # Everything that changes what a conversation's regeneration would be; not the draw
         # (sample ids are stable, so a larger max_samples reuses what is done) nor the split.
-        journal_key = {"target": target.name_or_path, "revision": target.revision, "model_dir": str(model_dir),
-                       "tokenizer_sha256": tok_sha, "source": [source.source, source.path, source.hf_name,
-                       source.hf_split, source.max_turns], "settings": asdict(settings)}  # fmt: skip
+        journal_key = {
+            "target": target.name_or_path,
+            "revision": target.revision,
+            "model_dir": str(model_dir),
+            "tokenizer_sha256": tok_sha,
+            "source": [source.source, source.path, source.hf_name, source.hf_split, source.max_turns],
+            "settings": asdict(settings),
+        }
         if parts:  # a mix: its sources, not their weights (a re-weighted mix reuses what is done)
-            journal_key["source"] = [source.max_turns] + [[p["source"], p["path"], p["hf_name"], p["hf_split"]]
-                                                          for p in parts]  # fmt: skip
+            journal_key["source"] = [source.max_turns] + [
+                [p["source"], p["path"], p["hf_name"], p["hf_split"]] for p in parts
+            ]
         journal_path = data_dir / f"regen-{_short_hash(journal_key)}.jsonl"
-        replies = _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir,
-                               scale)
+        replies = _regenerated(
+            selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir, scale
+        )
         if replies is None:
             return {"node_rank": scale.node_rank, "nodes": scale.nodes, "dataset_written": False}
     else:
@@ -88,17 +102,34 @@ def build_dataset(
 
     vocab_size = verifier.vocab_size
     summary = {
-        "target": {"name": target.name, "name_or_path": target.name_or_path, "revision": target.revision,
-                   "model_dir": str(model_dir), "tokenizer_sha256": tok_sha, "vocab_size": vocab_size,
-                   "end_of_turn_ids": chat.end_of_turn, **verifier.dataset_fields()},  # reused by later passes
-        "source": asdict(source) | {"name": loaded.name, "rows": loaded.rows, "usable": len(loaded.conversations),
-                                    "selected": len(selected), "sources": parts},
+        "target": {
+            "name": target.name,
+            "name_or_path": target.name_or_path,
+            "revision": target.revision,
+            "model_dir": str(model_dir),
+            "tokenizer_sha256": tok_sha,
+            "vocab_size": vocab_size,
+            "end_of_turn_ids": chat.end_of_turn,
+            **verifier.dataset_fields(),
+        },  # reused by later passes
+        "source": asdict(source)
+        | {
+            "name": loaded.name,
+            "rows": loaded.rows,
+            "usable": len(loaded.conversations),
+            "selected": len(selected),
+            "sources": parts,
+        },
         "regeneration": _regen_summary(regen, settings, journal_path, replies, selected),
-        "tokenize": {"max_length": max_length, "min_loss_tokens": tokenize.min_loss_tokens, **counts,
-                     "thinking": chat.thinking},
+        "tokenize": {
+            "max_length": max_length,
+            "min_loss_tokens": tokenize.min_loss_tokens,
+            **counts,
+            "thinking": chat.thinking,
+        },
         "splits": {s: _split_stats(rows[s]) for s in SPLITS},
         "dropped": {"source": loaded.problems.to_dict(), "samples": dropped.to_dict()},
-    }  # fmt: skip
+    }
     if target.mask_token_id is not None:
         # The mask token must be a row the data never contains (the drafter feeds it as "unknown").
         summary["target"]["mask_token_id"] = target.mask_token_id
@@ -135,13 +166,21 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
             continue
         context_turns += unscored
         split = "eval" if fingerprints[conv.sample_id] in held_out else "train"
-        rows[split].append({"sample_id": conv.sample_id, "source": conv.source or source_name, "split": split,
-                            "input_ids": ids, "loss_mask": mask})  # fmt: skip
+        rows[split].append(
+            {
+                "sample_id": conv.sample_id,
+                "source": conv.source or source_name,
+                "split": split,
+                "input_ids": ids,
+                "loss_mask": mask,
+            }
+        )
     return rows, dropped, {"truncated": truncated, "turns_reasoning_dropped_by_template": context_turns}
 
 
-def _regenerated(selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir,
-                 scale: ScaleConfig) -> dict[int, dict] | None:
+def _regenerated(
+    selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir, scale: ScaleConfig
+) -> dict[int, dict] | None:
     """Every selected conversation's journal entry; None while other nodes' shares are not all done."""
     journal = _open_journal(journal_path, scale)
     try:
@@ -151,16 +190,25 @@ def _regenerated(selected, journal_path, model_dir, target, regen, server, chat,
         print(f"regeneration{node}: {len(todo)} to do, {len(share) - len(todo)} already in {journal_path.stem}*")
         if todo:
             with _server_urls(model_dir, target, regen, server, data_dir, scale) as urls:
-                regenerate(todo, journal, urls, chat, settings,
-                           concurrency=regen.concurrency, request_timeout_s=regen.request_timeout_s)  # fmt: skip
+                regenerate(
+                    todo,
+                    journal,
+                    urls,
+                    chat,
+                    settings,
+                    concurrency=regen.concurrency,
+                    request_timeout_s=regen.request_timeout_s,
+                )
     finally:
         journal.close()
     journal = _open_journal(journal_path, scale)  # again: other nodes may have finished meanwhile
     journal.close()
     missing = len(pending(selected, journal))
     if missing:
-        print(f"node {scale.node_rank} of {scale.nodes}: its share is done; {missing} conversation(s) of other "
-              "nodes are not yet: the last node to finish writes the dataset (or rerun once they are)")
+        print(
+            f"node {scale.node_rank} of {scale.nodes}: its share is done; {missing} conversation(s) of other "
+            "nodes are not yet: the last node to finish writes the dataset (or rerun once they are)"
+        )
         return None
     return {c.sample_id: journal.entries[c.sample_id] for c in selected}
 
@@ -179,18 +227,29 @@ def _server_urls(
     """The URL of the given server, or of the gpus/tp servers started for this run (stopped on exit)."""
     if regen.server_url:
         if scale.servers != 1:
-            raise UserError(f"regen.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
-                            f"{scale.servers} started here (regen.server_url=null)")
+            raise UserError(
+                f"regen.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
+                f"{scale.servers} started here (regen.server_url=null)"
+            )
         yield [regen.server_url.rstrip("/")]
         return
     import torch
 
     from extract.server import VLLMServer
 
-    servers = [VLLMServer(model_dir, data_dir / "server", extra_args=[*tp_args(scale.tp), *srv.extra_args], env=env,
-                          ready_timeout_s=srv.ready_timeout_s, stop_timeout_s=srv.stop_timeout_s,
-                          max_model_len=target.max_model_len, dtype=target.dtype)
-               for env in server_envs(scale.gpus, torch.cuda.is_available(), dict(srv.env), scale.tp)]  # fmt: skip
+    servers = [
+        VLLMServer(
+            model_dir,
+            data_dir / "server",
+            extra_args=[*tp_args(scale.tp), *srv.extra_args],
+            env=env,
+            ready_timeout_s=srv.ready_timeout_s,
+            stop_timeout_s=srv.stop_timeout_s,
+            max_model_len=target.max_model_len,
+            dtype=target.dtype,
+        )
+        for env in server_envs(scale.gpus, torch.cuda.is_available(), dict(srv.env), scale.tp)
+    ]
     with ExitStack() as running:
         for server in servers:  # all boot at once, then each is waited for
             server.launch()
@@ -222,35 +281,49 @@ def _regen_summary(regen, settings, journal_path, replies, selected) -> dict:
         return out
     entries = [replies[c.sample_id] for c in selected]
     ok = [e for e in entries if "error" not in e]
-    return out | asdict(settings) | {
-        "journal": f"{journal_path.stem}*.jsonl",
-        "conversations": len(ok),
-        "failed": len(entries) - len(ok),
-        "assistant_turns": sum(len(e["finished"]) for e in ok),
-        # Journals of older runs have no per-turn limits: their turns ran under max_new_tokens.
-        **_cut_turns(ok, settings.max_new_tokens),
-        "conversations_cut_to_fit_context": sum("cut_at_turn" in e for e in ok),
-        "completion_tokens": sum(e["completion_tokens"] for e in ok),
-    }
+    return (
+        out
+        | asdict(settings)
+        | {
+            "journal": f"{journal_path.stem}*.jsonl",
+            "conversations": len(ok),
+            "failed": len(entries) - len(ok),
+            "assistant_turns": sum(len(e["finished"]) for e in ok),
+            # Journals of older runs have no per-turn limits: their turns ran under max_new_tokens.
+            **_cut_turns(ok, settings.max_new_tokens),
+            "conversations_cut_to_fit_context": sum("cut_at_turn" in e for e in ok),
+            "completion_tokens": sum(e["completion_tokens"] for e in ok),
+        }
+    )
 
 
 def _cut_turns(entries: list[dict], max_new_tokens: int) -> dict[str, int]:
     """Regenerated turns stopped by the token limit, by which limit; and source tool-call turns kept."""
-    limits = [(f, lim) for e in entries
-              for f, lim in zip(e["finished"], e.get("max_tokens", [max_new_tokens] * len(e["finished"])))]  # fmt: skip
-    return {"turns_cut_by_max_new_tokens": sum(not f and lim == max_new_tokens for f, lim in limits),
-            "turns_cut_by_context": sum(not f and lim is not None and lim < max_new_tokens for f, lim in limits),
-            "tool_call_turns_kept": sum(lim is None for _, lim in limits)}  # fmt: skip
+    limits = [
+        (f, lim)
+        for e in entries
+        for f, lim in zip(e["finished"], e.get("max_tokens", [max_new_tokens] * len(e["finished"])))
+    ]
+    return {
+        "turns_cut_by_max_new_tokens": sum(not f and lim == max_new_tokens for f, lim in limits),
+        "turns_cut_by_context": sum(not f and lim is not None and lim < max_new_tokens for f, lim in limits),
+        "tool_call_turns_kept": sum(lim is None for _, lim in limits),
+    }
 
 
 def _split_stats(rows: list[dict]) -> dict[str, int]:
-    return {"samples": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
-            "loss_tokens": sum(sum(r["loss_mask"]) for r in rows)}  # fmt: skip
+    return {
+        "samples": len(rows),
+        "tokens": sum(len(r["input_ids"]) for r in rows),
+        "loss_tokens": sum(sum(r["loss_mask"]) for r in rows),
+    }
 
 
 def format_summary(summary: dict, data_dir: Path) -> str:
-    lines = [f"dataset in {data_dir} (target {summary['target']['name_or_path']}, "
-             f"tokenizer {summary['target']['tokenizer_sha256'][:12]})"]  # fmt: skip
+    lines = [
+        f"dataset in {data_dir} (target {summary['target']['name_or_path']}, "
+        f"tokenizer {summary['target']['tokenizer_sha256'][:12]})"
+    ]
     for split, s in summary["splits"].items():
         lines.append(f"  {split:5s}: {s['samples']} samples, {s['tokens']} tokens, {s['loss_tokens']} loss tokens")
     for stage, problems in summary["dropped"].items():
@@ -259,8 +332,10 @@ def format_summary(summary: dict, data_dir: Path) -> str:
     if summary["tokenize"]["truncated"]:
         lines.append(f"  truncated to {summary['tokenize']['max_length']} tokens: {summary['tokenize']['truncated']}")
     if summary["target"].get("mask_token_in_data"):
-        lines.append(f"  WARNING: mask_token_id {summary['target']['mask_token_id']} occurs "
-                     f"{summary['target']['mask_token_in_data']} times in the data")  # fmt: skip
+        lines.append(
+            f"  WARNING: mask_token_id {summary['target']['mask_token_id']} occurs "
+            f"{summary['target']['mask_token_in_data']} times in the data"
+        )
     return "\n".join(lines)
 
 

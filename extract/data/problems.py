@@ -59,8 +59,10 @@ class Problems:
         return dict(sorted(self._counts.items()))
 
     def to_dict(self) -> dict[str, dict]:
-        return {r: {"count": c, "examples": self._examples[r], "locations": self._locations[r]}
-                for r, c in sorted(self._counts.items())}  # fmt: skip
+        return {
+            r: {"count": c, "examples": self._examples[r], "locations": self._locations[r]}
+            for r, c in sorted(self._counts.items())
+        }
 
     def report(self, title: str) -> str:
         lines = [f"{title}: {self.total} skipped"]

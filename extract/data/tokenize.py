@@ -58,7 +58,10 @@ class ChatTokenizer:
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 **self.template_kwargs,
             )
         except Exception as err:  # jinja raises for conversations a template rejects (e.g. role order)
@@ -162,7 +165,9 @@ class ChatTokenizer:
         offsets = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         return max((end for _, end in offsets if end <= n), default=0)
 
-    def _value_spans(self, messages: list[dict], tools: list | None) -> tuple[str, dict[tuple[str, int], tuple[int, int]]]:
+    def _value_spans(
+        self, messages: list[dict], tools: list | None
+    ) -> tuple[str, dict[tuple[str, int], tuple[int, int]]]:
         """The rendered text and the span of every assistant reasoning/content the template rendered."""
         markers: dict[str, tuple[str, int]] = {}
         marked, k = [], -1
