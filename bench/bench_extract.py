@@ -38,8 +38,9 @@ from dspark.store import ShardStore  # noqa: E402
 from dspark.targets import Target  # noqa: E402
 from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
 from extract.config import ExtractConfig, ServerConfig  # noqa: E402
-from extract.pipeline import deterministic_args, load_verifier, raw_bytes_per_token, server_args, store_bytes  # noqa: E402
+from extract.pipeline import load_verifier, raw_bytes_per_token, store_bytes  # noqa: E402
 from extract.server import VLLMServer  # noqa: E402
+from extract.servers import deterministic_args, server_args  # noqa: E402
 
 N_SAMPLES = 64
 ROUNDS = 3

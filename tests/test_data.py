@@ -1,6 +1,10 @@
 """The data stage: sources, bad input, chat-template loss masks, split, and regeneration
 through a real vLLM server (one per module) on the tiny random Qwen3 (real tokenizer and
-chat template, thinking off), including a run killed mid-way and resumed."""
+chat template, thinking off), including a run killed mid-way and resumed.
+
+Over 400 lines on purpose: the tests share the module's one regeneration server; split,
+each file would start it again (20-40 s on CPU).
+"""
 
 from __future__ import annotations
 

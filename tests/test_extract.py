@@ -3,6 +3,9 @@
 One extraction server for the tiny Qwen3 serves the module (`extract.server_url`); the
 deterministic runs and the kill loop start their own (fresh) servers through the stage, as
 does the dead-server test on the embedded SmolLM2.
+
+Over 400 lines on purpose: the tests share the module's one extraction server and
+its reference store; split, each file would start them again (20-40 s each on CPU).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from dspark.targets import resolve_target_dir, tokenizer_sha256
 from extract.__main__ import run as run_stage
 from extract.config import ExtractConfig
 from extract.dataset import DatasetError
-from extract.pipeline import kv_transfer_config, resolve_connector, server_args, server_envs
+from extract.scale import server_envs
 from extract.server import VLLMServer, free_port
+from extract.servers import kv_transfer_config, resolve_connector, server_args
 
 pytestmark = pytest.mark.vllm
 

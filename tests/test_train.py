@@ -8,6 +8,9 @@
 - Long samples are trained as windows that keep every scored token.
 - Learning: a few hundred CPU steps raise held-out τ clearly above the untrained draft's.
 - Bad input fails before any compute, with errors naming what is wrong.
+
+Over 400 lines on purpose: every test here shares the module's reference runs (an
+uninterrupted 1-rank and 2-rank run); split, each file would train them again.
 """
 
 from __future__ import annotations
