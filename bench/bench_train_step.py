@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICE = os.environ.get("DSPARK_BENCH_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("DSPARK_BENCH_DTYPE", "float32"))
 ATTN = os.environ.get("DSPARK_BENCH_ATTN", "sdpa")
-THREADS, ROUNDS, BLOCK, DRAFT_LAYERS, MARKOV_RANK = 2, 4, 4, 5, 256
+THREADS, BLOCK, DRAFT_LAYERS, MARKOV_RANK = 2, 4, 5, 256
+ROUNDS = int(os.environ.get("DSPARK_BENCH_ROUNDS", "4"))  # alternating rounds after the warm-up
 LOSS = {"ce": 0.1, "tv": 0.9}
 
 

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
+from eval.card import benchmark_names
 from eval.config import EvalConfig
 from eval.evaluate import evaluate_drafter
 from extract.config import ServerConfig
@@ -39,6 +40,12 @@ def headline(report: dict) -> str:
         lines.append(
             f"offline τ {overall['tau']:.3f} over {overall['blocks']} blocks; cumulative acceptance "
             + " ".join(f"{a:.3f}" for a in overall["cumulative"])
+        )
+    if report.get("benchmarks"):
+        bench = report["benchmarks"]
+        lines.append(
+            "offline τ per benchmark: "
+            + ", ".join(f"{name} {bench['by_benchmark'][key]['tau']:.3f}" for key, name in benchmark_names(bench))
         )
     if report.get("calibration"):
         c = report["calibration"]

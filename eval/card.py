@@ -15,6 +15,7 @@ ABSENT = "not recorded"
 # how the card names the drafter and a verifier known only by a local path
 DRAFTER_DIR = "<this directory>"
 VERIFIER_PATH = "<path to verifier>"
+BENCHMARK_NAMES = {"mtbench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
 
 
 def fmt(value) -> str:
@@ -169,6 +170,27 @@ def _offline(off: dict) -> list[str]:
     return out
 
 
+def benchmark_names(bench: dict) -> list[tuple[str, str]]:
+    """(source key, display name) of each benchmark in a report's benchmarks section."""
+    return [(key, BENCHMARK_NAMES.get(key, key)) for key in bench.get("by_benchmark") or {}]
+
+
+def _benchmarks(bench: dict) -> list[str]:
+    names = benchmark_names(bench)
+    rows = [
+        [figure, *[bench["by_benchmark"][key][figure] for key, _ in names], bench["overall"][figure]]
+        for figure in ("tau", "blocks")
+    ]
+    return [
+        "## Acceptance per benchmark (offline)",
+        "",
+        f"τ as above on the standard eval sets' prompts, answered by the verifier ({fmt(bench['samples'])} "
+        "held-out samples, `data=benchmarks`).",
+        "",
+        *_table(["figure", *[name for _, name in names], "all"], rows),
+    ]
+
+
 def _calibration(cal: dict) -> list[str]:
     rows = []
     for k, (b, a) in enumerate(zip(cal["before"]["per_position"], cal["after"]["per_position"])):
@@ -242,6 +264,8 @@ def render_card(report: dict) -> str:
     ]
     if report.get("offline"):
         lines += _offline(report["offline"])
+    if report.get("benchmarks"):
+        lines += _benchmarks(report["benchmarks"])
     if report.get("calibration"):
         lines += _calibration(report["calibration"])
     if report.get("online"):
@@ -257,4 +281,4 @@ def write_card(report: dict, drafter_dir: str | Path) -> Path:
     return path
 
 
-__all__ = ["CARD_FILE", "fmt", "render_card", "write_card"]
+__all__ = ["BENCHMARK_NAMES", "CARD_FILE", "benchmark_names", "fmt", "render_card", "write_card"]

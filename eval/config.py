@@ -129,6 +129,10 @@ class EvalConfig(Checked):
     """Shard store of the held-out split."""
     data_dir: str
     """Tokenized dataset dir (sources of held-out samples, prompts, summary.json); may be absent."""
+    bench_store: str | None
+    """Store of the standard eval sets (`data=benchmarks`): τ per benchmark when it exists; null = skip."""
+    bench_data_dir: str
+    """Their tokenized dataset dir (the benchmark of each sample)."""
     out_dir: str
     """Where report.json and the plots go."""
     train_run_dir: str | None

@@ -42,16 +42,45 @@ def load_checked(
 ) -> tuple[DSparkDraft, VerifierHead, ShardStore, Path]:
     """Drafter, verifier head and held-out store, refused with a clear error when they do not belong together."""
     store = open_heldout_store(store_url)
-    where = f"eval.store={store.url}"
-    check_store_name(store.attrs, target.name_or_path, where)  # before resolving: the clearest error
-    verifier_target = resolve_target(target)
-    verifier_target.check_store(store.attrs, where, layers=False)  # the drafter's aux layers are checked below
-    target_dir = verifier_target.model_dir
+    target_dir = verifier_dir_for(store, target, f"eval.store={store.url}")
     draft = load_drafter(drafter_dir)
     check_compatible(drafter_dir, draft, store, target.name_or_path, target_dir)
     verifier = VerifierHead.from_pretrained(target_dir)
     draft.load_verifier(verifier)
     return draft, verifier, store, target_dir
+
+
+def verifier_dir_for(store: ShardStore, target: TargetConfig, where: str) -> Path:
+    """The verifier's model dir, once the store is known to hold its states (the drafter's aux layers are
+    checked by `check_compatible`)."""
+    check_store_name(store.attrs, target.name_or_path, where)  # before resolving: the clearest error
+    verifier_target = resolve_target(target)
+    verifier_target.check_store(store.attrs, where, layers=False)
+    return verifier_target.model_dir
+
+
+def benchmark_section(
+    drafter_dir: Path, draft: DSparkDraft, verifier: VerifierHead, target: TargetConfig, cfg: EvalConfig
+) -> dict | None:
+    """τ per standard eval set on the store of `data=benchmarks` (every sample of it); None without that store."""
+    if cfg.bench_store is None:
+        return None
+    try:
+        store = open_heldout_store(cfg.bench_store)
+    except FileNotFoundError:
+        return None
+    check_compatible(
+        drafter_dir, draft, store, target.name_or_path, verifier_dir_for(store, target, f"eval.bench_store={store.url}")
+    )
+    refs = held_out_refs(store, None)
+    table = evaluate_blocks(draft, verifier, store, refs, cfg.offline, pick_device(cfg.offline.device))
+    summary = summarize(table, cfg.offline, read_sources(cfg.bench_data_dir))
+    return {
+        "store": store.url,
+        "samples": summary["samples"],
+        "overall": summary["overall"],
+        "by_benchmark": summary.get("by_source", {}),
+    }
 
 
 def split_samples(sample_ids: np.ndarray, fit_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,8 +114,10 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
     }
 
 
-def offline_sections(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -> tuple[dict, dict | None, ShardStore]:
-    """The offline and calibration report sections (and the store, for the data section)."""
+def offline_sections(
+    drafter_dir: Path, target: TargetConfig, cfg: EvalConfig
+) -> tuple[dict, dict | None, dict | None, ShardStore]:
+    """The offline, calibration and benchmarks report sections (and the store, for the data section)."""
     draft, verifier, store, _ = load_checked(drafter_dir, target, cfg.store)
     table = evaluate_blocks(
         draft,
@@ -110,11 +141,12 @@ def offline_sections(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -
                 "ece_after": calibration["after"]["pooled"]["ece"],
             },
         )
+    benchmarks = benchmark_section(drafter_dir, draft, verifier, target, cfg)
     del draft, verifier
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the servers of the online benchmark need the memory
-    return offline, calibration, store
+    return offline, calibration, benchmarks, store
 
 
 def publish(report: dict, out_dir: Path) -> dict:
@@ -139,7 +171,9 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
     }
     store = None
     if cfg.offline.enabled:
-        report["offline"], report["calibration"], store = offline_sections(drafter_dir, target, cfg)
+        report["offline"], report["calibration"], report["benchmarks"], store = offline_sections(
+            drafter_dir, target, cfg
+        )
     report["data"] = data_info(cfg.data_dir, store)
     report = publish(report, out_dir)
     if cfg.online.enabled:
@@ -171,10 +205,12 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
 
 __all__ = [
     "CALIBRATION_FILE",
+    "benchmark_section",
     "calibration_section",
     "evaluate_drafter",
     "load_checked",
     "offline_sections",
     "publish",
     "split_samples",
+    "verifier_dir_for",
 ]

@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import httpx
@@ -100,40 +101,51 @@ def spec_decode_summary(delta: ServerCounters) -> dict:
 
 
 def load_prompts(prompts_file: str | None, data_dir: str | Path, num_prompts: int, max_prompt_tokens: int) -> list:
-    """The fixed prompt set: token-id lists (or text) in file / sample-id order.
+    """The fixed prompt set: token-id lists (or text) in file / sample-id order, round-robin over sources.
 
-    Without `prompts_file`, the prompts of the held-out data: each sample's tokens up to its
-    first trained token (the chat-templated conversation up to the assistant's reply).
+    Without `prompts_file`, the prompts of the held-out data. A tokenized sample (a row with a
+    `loss_mask`, as in a data dir's eval.jsonl, e.g. the standard eval sets of
+    `data=benchmarks`) gives its tokens up to its first trained token (the chat-templated
+    conversation up to the assistant's reply). Rows that name a `source` are taken in turn
+    from each source, so the first prompts cover every benchmark of a mix alike.
     Prompts longer than `max_prompt_tokens` (context minus generated tokens) are skipped.
     """
     if prompts_file is not None:
         path = Path(prompts_file)
         rows = _jsonl(path)
-        prompts = []
-        for line_no, row in rows:
-            if isinstance(row.get("input_ids"), list) and all(isinstance(t, int) for t in row["input_ids"]):
-                prompts.append(row["input_ids"])
-            elif isinstance(row.get("prompt"), str):
-                prompts.append(row["prompt"])
-            else:
-                raise ValueError(f"{path}:{line_no}: a prompt row needs `input_ids` (list of ints) or `prompt` (text)")
     else:
         path = Path(data_dir) / "eval.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"online prompts: no {path} (run make data) and eval.online.prompts_file is null")
-        prompts = []
-        for _line_no, row in sorted(_jsonl(path), key=lambda r: r[1].get("sample_id", 0)):
+        rows = sorted(_jsonl(path), key=lambda r: r[1].get("sample_id", 0))
+    prompts = []
+    for line_no, row in _round_robin(rows):
+        if prompts_file is None or "loss_mask" in row:
             mask = row.get("loss_mask") or []
             first = next((i for i, m in enumerate(mask) if m), None)
             if first is None or first == 0:
                 continue
             prompts.append(row["input_ids"][:first])
+        elif isinstance(row.get("input_ids"), list) and all(isinstance(t, int) for t in row["input_ids"]):
+            prompts.append(row["input_ids"])
+        elif isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        else:
+            raise ValueError(f"{path}:{line_no}: a prompt row needs `input_ids` (list of ints) or `prompt` (text)")
     fitting = [p for p in prompts if isinstance(p, str) or 0 < len(p) <= max_prompt_tokens]
     if not fitting:
         raise ValueError(
             f"online prompts from {path}: none fits in {max_prompt_tokens} prompt tokens (max_model_len − max_tokens)"
         )
     return fitting[:num_prompts]
+
+
+def _round_robin(rows: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """Rows taken in turn from each `source` (in order of first appearance), each source's in order."""
+    by_source: dict = {}
+    for row in rows:
+        by_source.setdefault(row[1].get("source"), []).append(row)
+    return [row for turn in zip_longest(*by_source.values()) for row in turn if row is not None]
 
 
 def _jsonl(path: Path) -> list[tuple[int, dict]]:

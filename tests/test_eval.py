@@ -17,6 +17,7 @@ from eval_fixtures import (
     store_target,
 )
 
+from dspark.errors import UserError
 from dspark.store import ShardStore, bits_to_tensor
 from eval.__main__ import headline, run
 from eval.evaluate import calibration_section, load_checked, split_samples
@@ -243,5 +244,5 @@ def test_store_not_held_out_or_empty(setup, tmp_path):
 
 
 def test_missing_drafter(setup, tmp_path):
-    with pytest.raises(FileNotFoundError, match="not an exported drafter"):
+    with pytest.raises(UserError, match="not an exported drafter"):
         run(compose_cfg(setup, f"drafter={tmp_path}"))

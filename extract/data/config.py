@@ -16,7 +16,7 @@ class MixPart:
     """One source of a mix (`data=mix`): where it reads from and how much of the mix it makes."""
 
     source: str
-    """`sharegpt`, `mtbench`, `jsonl` or `hf`, as `data.source`."""
+    """`sharegpt`, `mtbench`, `gsm8k`, `humaneval`, `jsonl` or `hf`, as `data.source`."""
     path: str | None = None
     """As `data.path` for that source."""
     hf_name: str | None = None
@@ -44,7 +44,8 @@ class SourceConfig(Checked):
     SECTION: ClassVar[str] = "data"
 
     source: str
-    """`sharegpt` (embedded ShareGPT V3), `mtbench` (embedded MT-Bench), `jsonl` (local file) or `hf` (datasets id)."""
+    """`sharegpt` (embedded ShareGPT V3), `mtbench` / `gsm8k` / `humaneval` (embedded benchmarks' questions),
+    `jsonl` (local file), `hf` (datasets id) or `mix` (several of these)."""
     path: str | None
     """jsonl: file; hf: dataset id or local dataset dir; sharegpt: another ShareGPT .json array (null = embedded)."""
     hf_name: str | None

