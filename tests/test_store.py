@@ -156,6 +156,7 @@ def test_layout_manifest_and_reads(tmp_path, capsys):
     assert [(r.shard, r.start, r.end) for r in refs[:2]] == [("00000", 0, 5), ("00000", 5, 305)]
     for ref, want_sample in zip(refs, samples):
         assert_same_sample(store.read(ref), want_sample)
+        assert np.array_equal(store.read_loss_mask(ref), want_sample.loss_mask)
     assert store.committed_sample_ids() == set(range(10, 17))
     assert store.verify() == []
 

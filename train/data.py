@@ -74,7 +74,7 @@ class StoreSplit:
                 refs.append(ref)
                 offsets.append(0)
                 continue
-            found = windows_of(store.read(ref).loss_mask, max_tokens)
+            found = windows_of(store.read_loss_mask(ref), max_tokens)
             counts["long_samples"] += 1
             counts["windows"] += len(found)
             counts["windows_left_out"] += len(range(0, ref.n_tokens - 1, max_tokens - 1)) - len(found)

@@ -167,6 +167,10 @@ class ShardStore:
             hidden=dequantize(hidden, arrays["hidden_scale"][rows]) if self.fp8 else hidden,
         )
 
+    def read_loss_mask(self, ref: SampleRef) -> np.ndarray:
+        """Only the loss mask `[T]` of the sample at `ref` (no hidden states read)."""
+        return self._shard_arrays(ref.shard)["loss_mask"][ref.start : ref.end]
+
     def verify(self, on_shard: Callable[[str, list[str]], None] | None = None) -> list[str]:
         """Check every committed shard against the manifest; returns the problems (empty = OK).
 
