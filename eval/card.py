@@ -178,8 +178,8 @@ def benchmark_names(bench: dict) -> list[tuple[str, str]]:
 def _benchmarks(bench: dict) -> list[str]:
     names = benchmark_names(bench)
     rows = [
-        [figure, *[bench["by_benchmark"][key][figure] for key, _ in names], bench["overall"][figure]]
-        for figure in ("tau", "blocks")
+        [label, *[bench["by_benchmark"][key][figure] for key, _ in names], bench["overall"][figure]]
+        for label, figure in (("τ", "tau"), ("blocks", "blocks"))
     ]
     return [
         "## Acceptance per benchmark (offline)",
