@@ -22,9 +22,9 @@ from hydra import compose, initialize_config_dir
 
 from dspark.config import TargetConfig, load_section
 from dspark.errors import UserError
+from dspark.target_dirs import TOKENIZER_FILES
 from dspark.targets import (
     DERIVED_FIELDS,
-    TOKENIZER_FILES,
     dataset_target,
     resolve_target,
     resolve_target_dir,
