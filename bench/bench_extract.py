@@ -34,7 +34,7 @@ import httpx
 
 from bench import write_figures
 from dspark.config import TargetConfig, load_section  # noqa: E402
-from dspark.store import ShardStore  # noqa: E402
+from dspark.store import ShardStore, StoreWriter  # noqa: E402
 from dspark.targets import Target  # noqa: E402
 from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
 from extract.config import ExtractConfig, ServerConfig  # noqa: E402
@@ -195,7 +195,7 @@ def main(out_dir: Path) -> dict:
             )
             plain_s, extract_s, dropped_s, deterministic_s = [], [], [], []
             for r in range(ROUNDS):
-                store = ShardStore.create_or_open(
+                store = StoreWriter.create_or_open(
                     str(tmp / f"store-{r}"), verifier.store_attrs(), verifier.tokenizer_sha256
                 )
                 plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))

@@ -55,7 +55,7 @@ def make_verifier(out: Path) -> Path:
 
 
 def write_random_store(url: Path, verifier_dir: Path, samples: int) -> None:
-    from dspark.store import Sample, ShardStore, bf16_to_bits
+    from dspark.store import Sample, StoreWriter, bf16_to_bits
     from dspark.targets import tokenizer_sha256
 
     target = {
@@ -65,7 +65,7 @@ def write_random_store(url: Path, verifier_dir: Path, samples: int) -> None:
         "layer_ids": [1, 2, 3, VERIFIER_LAYERS],
         "dtype": "bfloat16",
     }
-    store = ShardStore.create_or_open(url, target, tokenizer_sha256(verifier_dir))
+    store = StoreWriter.create_or_open(url, target, tokenizer_sha256(verifier_dir))
     rng = np.random.default_rng(0)
     rows = []
     for i in range(samples):

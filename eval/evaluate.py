@@ -21,10 +21,8 @@ from eval.config import CalibrationConfig, EvalConfig
 from eval.offline import (
     BlockTable,
     check_compatible,
-    evaluate_blocks,
-    held_out_refs,
+    evaluate_store,
     open_heldout_store,
-    pick_device,
     read_sources,
     summarize,
 )
@@ -72,8 +70,7 @@ def benchmark_section(
     check_compatible(
         drafter_dir, draft, store, target.name_or_path, verifier_dir_for(store, target, f"eval.bench_store={store.url}")
     )
-    refs = held_out_refs(store, None)
-    table = evaluate_blocks(draft, verifier, store, refs, cfg.offline, pick_device(cfg.offline.device))
+    table = evaluate_store(draft, verifier, store, cfg.offline, None)
     summary = summarize(table, cfg.offline, read_sources(cfg.bench_data_dir))
     return {
         "store": store.url,
@@ -119,14 +116,7 @@ def offline_sections(
 ) -> tuple[dict, dict | None, dict | None, ShardStore]:
     """The offline, calibration and benchmarks report sections (and the store, for the data section)."""
     draft, verifier, store, _ = load_checked(drafter_dir, target, cfg.store)
-    table = evaluate_blocks(
-        draft,
-        verifier,
-        store,
-        held_out_refs(store, cfg.offline.max_samples),
-        cfg.offline,
-        pick_device(cfg.offline.device),
-    )
+    table = evaluate_store(draft, verifier, store, cfg.offline, cfg.offline.max_samples)
     offline = summarize(table, cfg.offline, read_sources(cfg.data_dir))
     calibration = calibration_section(table, cfg.calibration, cfg.offline.seed) if cfg.calibration.enabled else None
     if calibration is not None and cfg.calibration.save:

@@ -135,6 +135,20 @@ def held_out_refs(store: ShardStore, max_samples: int | None) -> list[SampleRef]
     return refs if max_samples is None else refs[:max_samples]
 
 
+def evaluate_store(
+    draft: DSparkDraft,
+    verifier: VerifierHead,
+    store: ShardStore,
+    cfg: OfflineConfig,
+    max_samples: int | None,
+    desc: str = "offline eval",
+) -> BlockTable:
+    """Score every block of the store's first `max_samples` held-out samples on `cfg.device`."""
+    return evaluate_blocks(
+        draft, verifier, store, held_out_refs(store, max_samples), cfg, pick_device(cfg.device), desc
+    )
+
+
 def _anchors(loss_mask: torch.Tensor, sample_id: int, cfg: OfflineConfig) -> torch.Tensor:
     """Anchor positions [A] of one sample: every candidate, or a seeded draw per sample."""
     if cfg.anchors_per_sample is None:
@@ -272,6 +286,7 @@ __all__ = [
     "check_compatible",
     "drafter_verifier_name",
     "evaluate_blocks",
+    "evaluate_store",
     "grouped_summary",
     "held_out_refs",
     "open_heldout_store",

@@ -34,7 +34,7 @@ from dspark.vocab import build_mapping, count_tokens
 from eval.__main__ import stage_configs
 from eval.config import PruneConfig
 from eval.evaluate import load_checked
-from eval.offline import acceptance_summary, evaluate_blocks, held_out_refs, pick_device
+from eval.offline import acceptance_summary, evaluate_store
 from eval.report import write_report
 
 LM_HEAD = "lm_head.weight"
@@ -188,14 +188,8 @@ def run(cfg: DictConfig) -> dict:
     if prune.evaluate:
         for key, path in (("original", src), ("pruned", dst)):
             draft, verifier, store, _ = load_checked(path, target, eval_cfg.store)
-            table = evaluate_blocks(
-                draft,
-                verifier,
-                store,
-                held_out_refs(store, eval_cfg.offline.max_samples),
-                eval_cfg.offline,
-                pick_device(eval_cfg.offline.device),
-                desc=f"τ of {key}",
+            table = evaluate_store(
+                draft, verifier, store, eval_cfg.offline, eval_cfg.offline.max_samples, desc=f"τ of {key}"
             )
             report[key]["offline"] = acceptance_summary(table.alpha, table.slot_mask)
     write_report(report, dst, PRUNE_REPORT)

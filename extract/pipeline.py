@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
-from dspark.store import ShardStore
+from dspark.store import ShardStore, StoreWriter
 from dspark.targets import Target, dataset_target, resolve_target
 from extract.client import (
     HiddenStatesClient,
@@ -106,7 +106,7 @@ def open_split_store(store_url: str, verifier: Target, split: Split, ex: Extract
     Both are part of the store's identity: a rerun with another server kind or mode is
     refused instead of mixing states of both into one store.
     """
-    return ShardStore.create_or_open(
+    return StoreWriter.create_or_open(
         store_url,
         verifier.store_attrs(STORE_DTYPES[ex.store_dtype]),
         verifier.tokenizer_sha256,

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from dspark.config import DraftConfig, TargetConfig
 from dspark.export import export_drafter
 from dspark.model import DSparkDraft
-from dspark.store import Sample, ShardStore, bf16_to_bits
+from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
 from dspark.verifier import VerifierHead
 from eval.__main__ import stage_configs
@@ -188,7 +188,7 @@ def write_store(url: Path, verifier_dir: Path, samples, extra_attrs: dict | None
     model.model.norm.register_forward_pre_hook(lambda m, args: captured.__setitem__(NUM_LAYERS, args[0]))
     for k in AUX_LAYER_IDS:
         model.model.layers[k].register_forward_pre_hook(lambda m, args, k=k: captured.__setitem__(k, args[0]))
-    store = ShardStore.create_or_open(url, store_target(verifier_dir), tokenizer_sha256(verifier_dir), extra_attrs)
+    store = StoreWriter.create_or_open(url, store_target(verifier_dir), tokenizer_sha256(verifier_dir), extra_attrs)
     rows = []
     for i, (ids, mask) in enumerate(samples):
         model(torch.from_numpy(ids)[None])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark.store import Sample, ShardStore
+from dspark.store import Sample, ShardStore, StoreWriter
 
 TARGET = {
     "name_or_path": "tiny/verifier",
@@ -35,4 +35,4 @@ def make_sample(sample_id: int, n_tokens: int, *, gaussian: bool = False) -> Sam
 
 
 def new_store(path, **kw) -> ShardStore:
-    return ShardStore.create_or_open(str(path), TARGET, TOKENIZER, EXTRA, **kw)
+    return StoreWriter.create_or_open(str(path), TARGET, TOKENIZER, EXTRA, **kw)

@@ -18,7 +18,7 @@ from eval_fixtures import (
 )
 
 from dspark.errors import UserError
-from dspark.store import ShardStore, bits_to_tensor
+from dspark.store import StoreWriter, bits_to_tensor
 from eval.__main__ import headline, run
 from eval.evaluate import calibration_section, load_checked, split_samples
 from eval.offline import (
@@ -235,10 +235,10 @@ def test_missing_heldout_store(setup, tmp_path):
 
 def test_store_not_held_out_or_empty(setup, tmp_path):
     target = store_target(setup.verifier_dir)
-    empty = ShardStore.create_or_open(tmp_path / "empty", target, "x" * 64)
+    empty = StoreWriter.create_or_open(tmp_path / "empty", target, "x" * 64)
     with pytest.raises(ValueError, match="no committed samples"):
         open_heldout_store(empty.url)
-    train = ShardStore.create_or_open(tmp_path / "train", target, "x" * 64, extra_attrs={"split": "train"})
+    train = StoreWriter.create_or_open(tmp_path / "train", target, "x" * 64, extra_attrs={"split": "train"})
     with pytest.raises(ValueError, match="'train' split, not held-out"):
         open_heldout_store(train.url)
 

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from bench.bench_store import mtbench_prompts
 from dspark.errors import UserError
-from dspark.store import ShardStore
+from dspark.store import ShardStore, StoreWriter
 from dspark.targets import resolve_target_dir, tokenizer_sha256
 from extract.client import Row, ShardWriter
 from extract.config import STORE_DTYPES
@@ -61,7 +61,7 @@ def extract_config(root: Path, data_dir: Path, *overrides: str):
 def write_like_extraction(target, ex, rows: list[Row]) -> int:
     """Store `rows`' states through the extraction's own writer; returns the store's bytes on disk."""
     url = f"{ex.store_dir}/train"
-    store = ShardStore.create_or_open(
+    store = StoreWriter.create_or_open(
         url, target.store_attrs(STORE_DTYPES[ex.store_dtype]), target.tokenizer_sha256, extra_attrs={"split": "train"}
     )
     writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens)

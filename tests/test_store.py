@@ -187,7 +187,7 @@ def test_reader_is_picklable_and_read_only(tmp_path):
 def test_refuses_store_of_another_target_layers_tokenizer_or_data(tmp_path):
     path = tmp_path / "s"
     new_store(path).write_shard([make_sample(1, 10)])
-    again = ShardStore.create_or_open(str(path), {**TARGET, "layer_ids": (1, 3, 4)}, TOKENIZER, EXTRA)
+    again = StoreWriter.create_or_open(str(path), {**TARGET, "layer_ids": (1, 3, 4)}, TOKENIZER, EXTRA)
     assert again.committed_sample_ids() == {1}  # same identity (a tuple is fine) reopens
 
     cases = [
@@ -198,7 +198,7 @@ def test_refuses_store_of_another_target_layers_tokenizer_or_data(tmp_path):
     ]
     for target, tok, extra, field in cases:
         with pytest.raises(StoreMismatchError, match=field) as info:
-            ShardStore.create_or_open(str(path), target, tok, extra)
+            StoreWriter.create_or_open(str(path), target, tok, extra)
         assert str(path) in str(info.value)
     assert ShardStore.open(path).committed_sample_ids() == {1}
 
@@ -210,7 +210,7 @@ def test_refuses_store_of_another_target_layers_tokenizer_or_data(tmp_path):
     ]
     for target, msg in bad_targets:
         with pytest.raises(ValueError, match=msg):
-            ShardStore.create_or_open(str(tmp_path / "new"), target, TOKENIZER)
+            StoreWriter.create_or_open(str(tmp_path / "new"), target, TOKENIZER)
     zarr.open_group(str(path), mode="r+").attrs["format_version"] = 2
     with pytest.raises(ValueError, match="format_version 2 is not readable"):
         ShardStore.open(path)
@@ -343,7 +343,7 @@ def test_fsspec_urls(tmp_path):
         assert_same_sample(reader.read(ref), want)
     assert reader.verify() == []
     with pytest.raises(StoreMismatchError, match="target.hidden_size"):
-        ShardStore.create_or_open(url, {**TARGET, "hidden_size": 64}, TOKENIZER, EXTRA)
+        StoreWriter.create_or_open(url, {**TARGET, "hidden_size": 64}, TOKENIZER, EXTRA)
 
     fs, root = fsspec.core.url_to_fs(url)
     assert not [p for p in fs.ls(f"{root}/.writers", detail=False) if p.endswith((".claim", ".lock"))]

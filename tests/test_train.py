@@ -46,7 +46,7 @@ from train_stores import (
 from dspark.config import load_section
 from dspark.errors import UserError
 from dspark.export import load_drafter
-from dspark.store import ShardStore
+from dspark.store import ShardStore, StoreWriter
 from dspark.targets import tokenizer_sha256
 from dspark.vocab import build_mapping, save_mapping
 from train.__main__ import run
@@ -417,7 +417,7 @@ def test_refuses_store_with_other_layers(world, tmp_path):
 
 
 def test_refuses_empty_training_split(world, tmp_path):
-    ShardStore.create_or_open(tmp_path / "empty", store_target(world.verifier), tokenizer_sha256(world.verifier))
+    StoreWriter.create_or_open(tmp_path / "empty", store_target(world.verifier), tokenizer_sha256(world.verifier))
     expect_refusal(
         world, tmp_path, ValueError, "no committed samples", **{"train.train_store": str(tmp_path / "empty")}
     )
@@ -622,7 +622,7 @@ def test_resume_refuses_a_changed_objective_or_schedule(world, tmp_path):
 
 def test_eval_store_must_be_held_out(world, tmp_path):
     split_train = tmp_path / "split-train"
-    ShardStore.create_or_open(
+    StoreWriter.create_or_open(
         split_train, store_target(world.verifier), tokenizer_sha256(world.verifier), extra_attrs={"split": "train"}
     )
     expect_refusal(

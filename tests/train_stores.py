@@ -17,7 +17,7 @@ import torch
 from conftest import qwen_tokenizer_files
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.store import Sample, ShardStore, bf16_to_bits
+from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
 from dspark.verifier import resolve_aux_layer_ids
 from dspark.vocab import count_tokens
@@ -135,7 +135,7 @@ def write_store(
 ) -> ShardStore:
     """A store holding `(token_ids, loss_mask)` samples with the verifier's hidden states."""
     target = target or store_target(verifier_dir)
-    store = ShardStore.create_or_open(url, target, tokenizer_sha256(verifier_dir))
+    store = StoreWriter.create_or_open(url, target, tokenizer_sha256(verifier_dir))
     hidden = extract(verifier_dir, target["layer_ids"], [ids for ids, _ in samples])
     rows = [
         Sample(first_id + i, ids.astype(np.int32), mask.astype(np.uint8), h)

@@ -25,13 +25,13 @@ from dspark.store.fp8 import dequantize
 from dspark.store.verify import verify_store
 
 if TYPE_CHECKING:
-    from dspark.store.writer import StoreWriter
+    pass
 
 
 class ShardStore:
     """A shard store (a local path or an fsspec URL), opened for reading.
 
-    `ShardStore.open` gives a reader; `ShardStore.create_or_open` gives a `StoreWriter`,
+    `ShardStore.open` gives a reader; `StoreWriter.create_or_open` gives a writer,
     which reads too. See `dspark.store` for the format and the multi-writer protocol.
     """
 
@@ -66,20 +66,6 @@ class ShardStore:
         if files.read_bytes("zarr.json") is None:
             raise FileNotFoundError(f"no shard store at {url} (no zarr.json)")
         return ShardStore(url, files, storage_options)
-
-    @staticmethod
-    def create_or_open(
-        url: str | Path,
-        target: dict,
-        tokenizer_sha256: str,
-        extra_attrs: dict | None = None,
-        *,
-        storage_options: dict | None = None,
-    ) -> StoreWriter:
-        """Open the store at `url` for writing, creating it if absent: see `StoreWriter.create_or_open`."""
-        from dspark.store.writer import StoreWriter
-
-        return StoreWriter.create_or_open(url, target, tokenizer_sha256, extra_attrs, storage_options=storage_options)
 
     def __reduce__(self):
         # DataLoader workers and DDP ranks get a fresh read-only handle, not open files.
