@@ -329,17 +329,18 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
         raise SystemExit(f"unknown variant(s) {unknown}; have {list(cfg['variants'])}")
     root = Path(os.path.expandvars(cfg["runs_dir"]))
     runs, blocks, untrained = [], {}, {}
+    total = len(variants) * len(cfg["seeds"]) * len(cfg["budgets"])
     for variant in variants:
         for seed in cfg["seeds"]:
             untrained[variant, seed] = untrained_blocks(cfg, variant, seed, root / variant / f"untrained_s{seed}")
             for budget in cfg["budgets"]:
-                record, blocks[variant, budget, seed] = train_run(
-                    cfg, variant, budget, seed, root / variant / f"x{budget}_s{seed}"
-                )
+                run_dir = root / variant / f"x{budget}_s{seed}"
+                print(f"[{len(runs) + 1}/{total}] {variant} x{budget} seed {seed} (log: {run_dir}.log)", flush=True)
+                record, blocks[variant, budget, seed] = train_run(cfg, variant, budget, seed, run_dir)
                 runs.append(record)
                 print(
-                    f"{variant} x{budget} seed {seed}: tau {blocks[variant, budget, seed].tau.mean():.4f} "
-                    f"({record['wall_s']:.0f} s)",
+                    f"[{len(runs)}/{total}] {variant} x{budget} seed {seed}: "
+                    f"tau {blocks[variant, budget, seed].tau.mean():.4f} ({record['wall_s']:.0f} s)",
                     flush=True,
                 )
     table = summarize(runs, blocks, untrained, cfg["reference"])

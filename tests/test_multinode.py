@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_stores import (
-    MASK_TOKEN_ID,
     VOCAB,
     make_bigram_verifier,
     make_samples,
+    tiny_run_settings,
     write_store,
     write_token_freqs,
 )
@@ -67,28 +67,21 @@ def args(tmp_path_factory) -> str:
     train = make_samples(verifier, 24, seed=0, min_len=48, max_len=64)
     write_store(root / "train", verifier, train)
     write_store(root / "eval", verifier, make_samples(verifier, 4, seed=1), first_id=1000)
-    settings = {
-        "target.name": "tiny",
-        "target.name_or_path": verifier,
-        "target.aux_layer_ids": "null",
-        "target.mask_token_id": MASK_TOKEN_ID,
-        "model.num_layers": 1,
-        "model.draft_vocab_size": 128,
-        "model.markov_rank": 32,
-        "loss.num_anchors": 8,
-        "loss.chunk_size": 256,
-        "train.train_store": root / "train",
-        "train.eval_store": root / "eval",
-        "train.token_freqs": write_token_freqs(root / "freqs.npy", train, VOCAB),
-        "train.lr": 1e-2,
-        "train.epochs": 1,
-        "train.tokens_per_step": 256,
-        "train.tokens_per_micro_batch": 64,
-        "train.data_workers": 0,
-        "train.eval_every": 0,
-        "train.save_every": 1000,
-        "train.log_every": 1,
-    }
+    settings = tiny_run_settings(
+        verifier,
+        root / "train",
+        root / "eval",
+        write_token_freqs(root / "freqs.npy", train, VOCAB),
+        **{
+            "train.epochs": 1,
+            "train.tokens_per_step": 256,
+            "train.tokens_per_micro_batch": 64,
+            "train.data_workers": 0,
+            "train.eval_every": 0,
+            "train.save_every": 1000,
+            "train.log_every": 1,
+        },
+    )
     return " ".join(f"{k}={v}" for k, v in settings.items())
 
 

@@ -34,11 +34,11 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_stores import (
-    MASK_TOKEN_ID,
     VOCAB,
     make_bigram_verifier,
     make_samples,
     store_target,
+    tiny_run_settings,
     write_store,
     write_token_freqs,
 )
@@ -99,27 +99,20 @@ def world(tmp_path_factory) -> SimpleNamespace:
 
 
 def overrides(world: SimpleNamespace, run_dir: Path, **extra) -> list[str]:
-    settings = {
-        "target.name": "tiny",
-        "target.name_or_path": str(world.verifier),
-        "target.aux_layer_ids": "null",
-        "target.mask_token_id": MASK_TOKEN_ID,
-        "model.num_layers": 1,
-        "model.draft_vocab_size": 128,
-        "model.markov_rank": 32,
-        "loss.num_anchors": 8,
-        "loss.chunk_size": 256,
-        "train.run_dir": str(run_dir),
-        "train.train_store": str(world.train_store),
-        "train.eval_store": str(world.eval_store),
-        "train.token_freqs": str(world.token_freqs),
-        "train.lr": 1e-2,
-        "train.log_every": 1,
-        "train.data_workers": 1,
-        "train.eval_every": 0,
-        "train.save_every": 1000,
-        **extra,
-    }
+    settings = tiny_run_settings(
+        world.verifier,
+        world.train_store,
+        world.eval_store,
+        world.token_freqs,
+        **{
+            "train.run_dir": str(run_dir),
+            "train.log_every": 1,
+            "train.data_workers": 1,
+            "train.eval_every": 0,
+            "train.save_every": 1000,
+            **extra,
+        },
+    )
     return [f"{k}={v}" for k, v in settings.items()]
 
 

@@ -174,3 +174,23 @@ def write_token_freqs(path: Path, samples: list[tuple[np.ndarray, np.ndarray]], 
     counts = count_tokens([ids for ids, _ in samples], [mask for _, mask in samples], vocab_size)
     np.save(path, counts)
     return path
+
+
+def tiny_run_settings(verifier: Path, train_store: Path, eval_store: Path, token_freqs: Path, **extra) -> dict:
+    """Hydra overrides (key -> value) of a 1-layer draft trained on the tiny stores above; `extra` adds or replaces."""
+    return {
+        "target.name": "tiny",
+        "target.name_or_path": str(verifier),
+        "target.aux_layer_ids": "null",
+        "target.mask_token_id": MASK_TOKEN_ID,
+        "model.num_layers": 1,
+        "model.draft_vocab_size": 128,
+        "model.markov_rank": 32,
+        "loss.num_anchors": 8,
+        "loss.chunk_size": 256,
+        "train.train_store": str(train_store),
+        "train.eval_store": str(eval_store),
+        "train.token_freqs": str(token_freqs),
+        "train.lr": 1e-2,
+        **extra,
+    }
