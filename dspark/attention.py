@@ -69,6 +69,16 @@ class BlockLayout:
             sees_block = sees_block & (slot <= q)
         return sees_context | sees_block
 
+    def context_needed(self) -> torch.Tensor:
+        """[b, T] bool: context positions some valid block of the row may see (`< ` its last anchor).
+
+        Only these go through `fc` and the context k/v projections: row padding and the tail
+        after a row's last anchor cost no FLOPs (every other position is masked out anyway).
+        """
+        seen = torch.where(self.anchor_valid, self.anchors, 0)
+        last = seen.amax(1, keepdim=True) if seen.shape[1] else seen.new_zeros(seen.shape[0], 1)
+        return torch.arange(self.context_len, device=self.anchors.device)[None] < last
+
     def dense(self) -> torch.Tensor:
         """Boolean mask [b, 1, A·B, T + A·B] for SDPA."""
         device = self.anchors.device
@@ -132,17 +142,30 @@ class DraftAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        context_needed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask,
     ) -> torch.Tensor:
-        """x [b, Q, H] block slots; context [b, T, H]; cos/sin [b, T+Q, d] (context, then block);
-        mask from `BlockLayout.dense()` (sdpa) or `BlockLayout.flex()` (flex)."""
+        """x [b, Q, H] block slots; context [N, H] the needed context positions, in order;
+        context_needed [b, T] bool (`BlockLayout.context_needed`, N True); cos/sin [b, T+Q, d]
+        (context, then block); mask from `BlockLayout.dense()` (sdpa) or `BlockLayout.flex()` (flex)."""
         bsz, q_len, _ = x.shape
-        keys_in = torch.cat([context, x], dim=1)
-        kv_len = keys_in.shape[1]
+        kv_len = context_needed.shape[1] + q_len
+
+        def keys(proj: nn.Linear) -> torch.Tensor:
+            """[b, T+Q, kv] projection of the needed context (zeros elsewhere: masked) and the block."""
+            ctx = proj.weight.new_zeros(*context_needed.shape, proj.out_features)
+            ctx = ctx.index_put((context_needed,), proj(context))
+            return torch.cat([ctx, proj(x)], dim=1)
+
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(keys_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(keys_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        ctx_len = context.shape[1]
+        k = self.k_norm(keys(self.k_proj).view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = keys(self.v_proj).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        ctx_len = context_needed.shape[1]
         q = apply_rope(q, cos[:, ctx_len:], sin[:, ctx_len:])
         k = apply_rope(k, cos, sin)
         gqa = self.num_heads != self.num_kv_heads

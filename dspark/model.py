@@ -86,8 +86,8 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, context, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+    def forward(self, x, context, context_needed, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, context_needed, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -249,7 +249,6 @@ class DSparkDraft(nn.Module):
         # Padding anchors may hold any value; their rows are discarded by the loss.
         anchors = anchors.long().clamp(0, seq_len - 1)
         x = self.embed_tokens(self.block_inputs(input_ids, anchors)).flatten(1, 2)
-        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=context.device).expand(bsz, seq_len)
         offsets = torch.arange(self.block_size, device=context.device)
@@ -266,16 +265,21 @@ class DSparkDraft(nn.Module):
             self.cfg.causal_in_block,
         )
         mask = layout.flex() if self.cfg.attn_impl == "flex" else layout.dense()
+        # Only the context positions a block can see: [N, H] (see BlockLayout.context_needed).
+        needed = layout.context_needed()
+        ctx = self.hidden_norm(self.fc(context[needed].to(self.fc.weight.dtype)))
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, mask)
+            x = layer(x, ctx, needed, cos, sin, mask)
         return self.norm(x).view(bsz, anchors.shape[1], self.block_size, self.layer_config.hidden_size)
 
     def draft_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """[n, B, V_draft] logits: frozen lm_head plus the Markov bias of each slot's previous token."""
-        logits = F.linear(hidden, self.lm_head.weight)
-        if self.markov_head is not None:
-            logits = logits + self.markov_head.block_bias(prev, hidden)
-        return logits
+        if self.markov_head is None:
+            return F.linear(hidden, self.lm_head.weight)
+        bias = self.markov_head.block_bias(prev, hidden)
+        # bias + hidden·Wᵀ as one GEMM that accumulates into the bias (no separate [n, B, V] add)
+        logits = torch.addmm(bias.flatten(0, -2), hidden.flatten(0, -2), self.lm_head.weight.t())
+        return logits.view(bias.shape)
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """[n, B] logits of the probability that each slot is accepted."""

@@ -47,7 +47,9 @@ class _Tiles:
     def __init__(self, rows: int, vocab: int, like: Tensor):
         self.q = like.new_empty(rows, vocab)
         self.tmp = like.new_empty(rows, vocab)
-        self.lower = torch.empty(rows, vocab, dtype=torch.bool, device=like.device)
+        # s_j = [q_j < p_j] as 0/1 in the logits' dtype: float products are vectorized, while
+        # products with a bool tensor and row-broadcast `where` were ~10x slower per pass on CPU.
+        self.lower = like.new_empty(rows, vocab)
 
 
 def _softmax(x: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,7 +102,7 @@ class VocabTerms(torch.autograd.Function):
             p, lse_p = _softmax(tt, tt)  # in place: the verifier logits become p
             if draft_ids is not None:
                 p = p.index_select(-1, draft_ids)
-            lower = torch.lt(q, p, out=work.lower[:n])
+            lower = torch.lt(q, p, out=work.lower[:n])  # s as 0/1
             a = torch.minimum(q, p, out=work.tmp[:n]).sum(-1)
             alpha[r] = a
             ce_w = w * in_vocab
@@ -113,18 +115,20 @@ class VocabTerms(torch.autograd.Function):
                 sums[2] += (w * kl).sum()
             if grad is None:
                 continue
-            big_s = torch.mul(q, lower, out=work.tmp[:n]).sum(-1)
+            q_lower = torch.mul(q, lower, out=work.tmp[:n])  # s_j·q_j
+            big_s = q_lower.sum(-1)
             A, T, K = w_ce * ce_w, w_tv * w, w_kl * w
             coef = A + T * big_s + (K * mass if w_kl else 0.0)
-            factor = torch.where(lower, (coef - T)[:, None], coef[:, None], out=work.tmp[:n])
+            # ∂/∂z = q·coef − T·s·q − K·p (− A at y, below)
             g = grad[r]  # may share storage with p (full vocabulary): p is read before g is written
-            if w_kl or g.dtype != q.dtype:
-                q.mul_(factor)
-                if w_kl:
-                    q.addcmul_(p, K[:, None], value=-1.0)
-                g.copy_(q)
-            else:
-                torch.mul(q, factor, out=g)
+            if w_kl:
+                torch.mul(p, K[:, None], out=lower)  # K·p into the spent s buffer: g may overwrite p
+            out = g if g.dtype == q.dtype else q
+            torch.mul(q, coef[:, None], out=out).addcmul_(q_lower, T[:, None], value=-1.0)
+            if w_kl:
+                out.sub_(lower)
+            if out is not g:
+                g.copy_(out)
             g.scatter_add_(-1, idx[:, None], -A[:, None].to(g.dtype))
         objective = w_ce * sums[0] + w_tv * sums[1] + w_kl * sums[2]
         if grad is not None:

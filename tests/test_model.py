@@ -140,6 +140,22 @@ def test_blocks_ignore_later_context_and_other_documents(verifier):
     assert not torch.allclose(before, moved)
 
 
+def test_only_context_a_block_can_see_is_projected(verifier):
+    """Row padding and the tail after a row's last valid anchor skip `fc` (and the k/v projections)."""
+    model = make_draft(verifier, draft_config())
+    context, input_ids = packed_inputs(2, 12, 3, verifier.hidden_size)
+    anchors = torch.tensor([[2, 5], [3, 9]])
+    valid = torch.tensor([[True, False], [True, True]])
+    rows = []
+    handle = model.fc.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    with torch.no_grad():
+        hidden = model(context, input_ids, anchors, valid)
+        alone = model(context[1:, :10], input_ids[1:, :10], anchors[1:], valid[1:])
+    handle.remove()
+    assert rows == [2 + 9, 9]  # positions < 2 of row 0 and < 9 of row 1; then row 1 alone
+    torch.testing.assert_close(hidden[1], alone[0])
+
+
 def test_row_without_anchors_gives_empty_blocks_and_bf16_context_is_accepted(verifier):
     model = make_draft(verifier, draft_config())
     context, input_ids = packed_inputs(1, 2, 3, verifier.hidden_size)
