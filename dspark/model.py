@@ -277,9 +277,11 @@ class DSparkDraft(nn.Module):
         if self.markov_head is None:
             return F.linear(hidden, self.lm_head.weight)
         bias = self.markov_head.block_bias(prev, hidden)
-        # bias + hidden·Wᵀ as one GEMM that accumulates into the bias (no separate [n, B, V] add)
-        logits = torch.addmm(bias.flatten(0, -2), hidden.flatten(0, -2), self.lm_head.weight.t())
-        return logits.view(bias.shape)
+        # hidden·Wᵀ accumulated by the GEMM into the bias itself (no [n, B, V] add or copy); the
+        # bias is a fresh output whose value no backward needs, so writing over it is safe.
+        # In-place ops are not autocast: match the bias's dtype by hand (bf16 under autocast).
+        h, w = hidden.flatten(0, -2).to(bias.dtype), self.lm_head.weight.to(bias.dtype)
+        return bias.view(-1, bias.shape[-1]).addmm_(h, w.t()).view(bias.shape)
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """[n, B] logits of the probability that each slot is accepted."""

@@ -189,6 +189,11 @@ def test_heads_shapes_and_markov_dependence(verifier, markov_type):
     changed = model.draft_logits(hidden, other)
     torch.testing.assert_close(changed[:, 0], logits[:, 0])
     assert not torch.allclose(changed[:, 1], logits[:, 1])
+    # Under bf16 autocast (the CUDA default) the logits are bf16 and match float32 to bf16 precision.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model.draft_logits(hidden, prev)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), logits, rtol=0.05, atol=0.05)
 
 
 # --- sizing from other verifier families ----------------------------------------------
