@@ -61,11 +61,9 @@ def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict
     w2 = nn.Linear(MARKOV_RANK, VOCAB, bias=False)
     conf = nn.Linear(HIDDEN + MARKOV_RANK, 1)
 
-    def draft_logits(hidden, prev):
-        return lm_head(hidden) + w2(w1(prev))
-
-    def confidence_logits(hidden, prev):
-        return conf(torch.cat([hidden, w1(prev)], dim=-1)).squeeze(-1)
+    def heads(hidden, prev):
+        emb = w1(prev)
+        return lm_head(hidden) + w2(emb), conf(torch.cat([hidden, emb], dim=-1)).squeeze(-1)
 
     def target_logits(target_hidden):
         return lm_head(norm(target_hidden))
@@ -92,7 +90,7 @@ def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict
     # time because a shared machine inflates wall time unevenly between the two runs.
     wall, cpu = time.perf_counter(), time.process_time()
     out = dspark_loss(
-        draft_logits,
+        heads,
         target_logits,
         hidden,
         prev,
@@ -100,7 +98,7 @@ def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict
         labels,
         slot_mask,
         cfg,
-        confidence_fn=confidence_logits,
+        with_confidence=True,
         keep_budget=keep_budget,
     )
     out.loss.backward()

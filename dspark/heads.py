@@ -36,21 +36,23 @@ class MarkovHead(nn.Module):
     def prev_embeddings(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev)
 
-    def block_bias(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """prev [n, B] token ids, hidden [n, B, H] (after the final norm) -> bias [n, B, V_draft]."""
-        emb = self.prev_embeddings(prev)
+    def features(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """emb [n, B, rank] = `prev_embeddings(prev)`, hidden [n, B, H] (after the final norm) -> [n, B, rank].
+
+        The bias of slot k is `markov_w2(features[:, k])`; the draft applies `markov_w2` itself,
+        fused with its lm_head GEMM (`DSparkDraft.heads`).
+        """
         if self.head_type == "vanilla":
-            return self.markov_w2(emb)
+            return emb
         if self.head_type == "gated":
-            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1)))
-            return self.markov_w2(gate * emb)
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1))) * emb
         state = emb.new_zeros(emb.shape[0], self.rank)
         outputs = []
         for k in range(emb.shape[1]):
             gate, candidate, out = self.joint_proj(torch.cat([state, emb[:, k], hidden[:, k]], dim=-1)).chunk(3, -1)
             gate = torch.sigmoid(gate)
             state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-            outputs.append(self.markov_w2(torch.tanh(out)))
+            outputs.append(torch.tanh(out))
         return torch.stack(outputs, dim=1)
 
 

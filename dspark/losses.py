@@ -87,9 +87,9 @@ def keep_budget_bytes(device: torch.device) -> int:
 class _ChunkObjective:
     """Weighted term sums of one chunk of blocks (a plain callable, so it can be checkpointed)."""
 
-    def __init__(self, draft_logits_fn, confidence_fn, target_logits_fn, d2t, cfg):
-        self.draft_logits_fn = draft_logits_fn
-        self.confidence_fn = confidence_fn
+    def __init__(self, heads_fn, with_confidence, target_logits_fn, d2t, cfg):
+        self.heads_fn = heads_fn
+        self.with_confidence = with_confidence
         self.target_logits_fn = target_logits_fn
         self.d2t = d2t
         self.ce_argmax = cfg.ce_target == "argmax"
@@ -98,7 +98,7 @@ class _ChunkObjective:
         self.slot_bytes = 0  # bytes of one slot's kept gradient, known once a chunk has run
 
     def __call__(self, hidden, prev, target_hidden, labels, slot_mask):
-        logits = self.draft_logits_fn(hidden, prev)
+        logits, confidence_logit = self.heads_fn(hidden, prev)
         with torch.no_grad():  # the verifier is frozen: its distribution is a constant target
             target_logits = self.target_logits_fn(target_hidden)
         check_draft_width(logits.shape[-1], target_logits.shape[-1], self.d2t)
@@ -116,8 +116,8 @@ class _ChunkObjective:
             logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad
         )
         confidence, bce_sum = None, None
-        if self.confidence_fn is not None:
-            logit = self.confidence_fn(hidden, prev).to(alpha.dtype)
+        if self.with_confidence:
+            logit = confidence_logit.to(alpha.dtype)
             bce = F.binary_cross_entropy_with_logits(logit, alpha, reduction="none")
             bce_sum = (bce * wm).sum()
             confidence = torch.sigmoid(logit.detach())
@@ -137,7 +137,7 @@ def _check_inputs(hidden, prev, target_hidden, labels, slot_mask) -> None:
 
 
 def dspark_loss(
-    draft_logits_fn: Callable[[Tensor, Tensor], Tensor],
+    heads_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]],
     target_logits_fn: Callable[[Tensor], Tensor],
     hidden: Tensor,
     prev: Tensor,
@@ -147,15 +147,16 @@ def dspark_loss(
     cfg: LossConfig,
     norm: Tensor | float | None = None,
     *,
-    confidence_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+    with_confidence: bool = False,
     d2t: Tensor | None = None,
     keep_budget: int | None = None,
 ) -> LossOutput:
     """The DSpark loss of n blocks of B slots (see the module docstring for the terms).
 
-    `draft_logits_fn(hidden [c, B, H], prev [c, B]) -> [c, B, Vd]` Markov-corrected draft
-    logits; `target_logits_fn(target_hidden [c, B, Ht]) -> [c, B, V]` verifier logits from
-    the pre-norm final hidden state at p+k; `confidence_fn(hidden, prev) -> [c, B]` or None;
+    `heads_fn(hidden [c, B, H], prev [c, B]) -> (logits [c, B, Vd], confidence [c, B] | None)`:
+    the Markov-corrected draft logits and, when `with_confidence`, the confidence head's
+    logits (trained against α); `target_logits_fn(target_hidden [c, B, Ht]) -> [c, B, V]`
+    verifier logits from the pre-norm final hidden state at p+k;
     `prev [n, B]` the token at p+k; `labels [n, B]` the data token p+k+1; `slot_mask [n, B]`;
     `d2t [Vd]` draft→target offsets or None for the full vocabulary; `norm` the all-reduced
     `weight_sum` (None: this batch's own, for a single process); `keep_budget` bytes of
@@ -163,7 +164,7 @@ def dspark_loss(
     every chunk but the first in backward).
     """
     _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
-    if not cfg.weights and confidence_fn is None:
+    if not cfg.weights and not with_confidence:
         raise ValueError("loss.weights is empty and there is no confidence head: nothing to train")
     if d2t is not None:
         ids = draft_target_ids(d2t.reshape(-1))
@@ -176,7 +177,7 @@ def dspark_loss(
     # With no scored slot anywhere every sum is 0: the loss is 0, not 0/0.
     norm = torch.as_tensor(norm, dtype=torch.float64, device=hidden.device).clamp_min(1e-12)
     terms = tuple(t for t in DISTRIBUTION_TERMS if t in cfg.weights)
-    objective = _ChunkObjective(draft_logits_fn, confidence_fn, target_logits_fn, d2t, cfg)
+    objective = _ChunkObjective(heads_fn, with_confidence, target_logits_fn, d2t, cfg)
 
     # Memory: each chunk's vocabulary-sized work (both projections, VocabTerms) runs and is
     # freed before the next chunk starts; what outlives forward is one [chunk, B, Vd] gradient
@@ -213,7 +214,7 @@ def dspark_loss(
     norm_ = norm.to(term_sums.dtype)
     normalized = {t: term_sums[DISTRIBUTION_TERMS.index(t)] / norm_ for t in terms}
     loss = objective_total / norm_
-    if confidence_fn is not None:
+    if with_confidence:
         normalized["confidence"] = confidence_total / norm_
         loss = loss + cfg.confidence_weight * normalized["confidence"]
     alpha = torch.cat(alphas)
@@ -222,7 +223,7 @@ def dspark_loss(
         terms={name: value.detach() for name, value in normalized.items()},
         acceptance=AcceptanceStats.from_alpha(alpha, slot_mask),
         alpha=alpha,
-        confidence=None if confidence_fn is None else torch.cat(confidences),
+        confidence=torch.cat(confidences) if with_confidence else None,
         ce_out_of_vocab=torch.stack(out_of_vocab).sum(),
     )
 

@@ -272,25 +272,42 @@ class DSparkDraft(nn.Module):
             x = layer(x, ctx, needed, cos, sin, mask)
         return self.norm(x).view(bsz, anchors.shape[1], self.block_size, self.layer_config.hidden_size)
 
+    def heads(
+        self, hidden: torch.Tensor, prev: torch.Tensor, with_confidence: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [n, B, V_draft] and confidence logits [n, B] (None without that head or
+        when not asked for) of hidden [n, B, H] with previous tokens prev [n, B]: one Markov
+        W1 lookup serves both."""
+        emb = None if self.markov_head is None else self.markov_head.prev_embeddings(prev)
+        if emb is None:
+            logits = F.linear(hidden, self.lm_head.weight)
+        else:
+            features = self.markov_head.features(emb, hidden).flatten(0, -2)  # [n·B, rank]
+            # The bias W2·f is a fresh 2-D GEMM output that no backward reads, so the lm_head
+            # GEMM accumulates into it in place: no [n, B, V] add or copy. In-place ops are not
+            # autocast: operands are matched to the bias's dtype by hand (bf16 under autocast).
+            bias = F.linear(features, self.markov_head.markov_w2.weight)
+            h, w = hidden.flatten(0, -2).to(bias.dtype), self.lm_head.weight.to(bias.dtype)
+            logits = bias.addmm_(h, w.t()).view(*hidden.shape[:-1], bias.shape[-1])
+        if not with_confidence or self.confidence_head is None:
+            return logits, None
+        return logits, self._confidence(hidden, emb)
+
     def draft_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """[n, B, V_draft] logits: frozen lm_head plus the Markov bias of each slot's previous token."""
-        if self.markov_head is None:
-            return F.linear(hidden, self.lm_head.weight)
-        bias = self.markov_head.block_bias(prev, hidden)
-        # hidden·Wᵀ accumulated by the GEMM into the bias itself (no [n, B, V] add or copy); the
-        # bias is a fresh output whose value no backward needs, so writing over it is safe.
-        # In-place ops are not autocast: match the bias's dtype by hand (bf16 under autocast).
-        h, w = hidden.flatten(0, -2).to(bias.dtype), self.lm_head.weight.to(bias.dtype)
-        return bias.view(-1, bias.shape[-1]).addmm_(h, w.t()).view(bias.shape)
+        return self.heads(hidden, prev, with_confidence=False)[0]
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """[n, B] logits of the probability that each slot is accepted."""
         if self.confidence_head is None:
             raise RuntimeError("this draft has no confidence head (model.confidence_head=false)")
-        features = hidden
+        with_markov = self.cfg.confidence_head_with_markov
+        return self._confidence(hidden, self.markov_head.prev_embeddings(prev) if with_markov else None)
+
+    def _confidence(self, hidden: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor:
         if self.cfg.confidence_head_with_markov:
-            features = torch.cat([hidden, self.markov_head.prev_embeddings(prev)], dim=-1)
-        return self.confidence_head(features)
+            hidden = torch.cat([hidden, emb], dim=-1)
+        return self.confidence_head(hidden)
 
 
 __all__ = ["DSparkDraft", "DraftDecoderLayer", "draft_layer_config"]

@@ -191,13 +191,14 @@ def evaluate_blocks(
             _, target_pos, slot_mask = slot_targets(ids, mask, anchors, valid, draft.block_size)
             h = draft(context, ids, anchors, valid)[0]  # [A, B, H]
             prev = draft.block_tokens(ids, anchors)[0]  # [A, B]
-            q = F.softmax(draft.draft_logits(h, prev).float(), dim=-1)
+            logits, conf = draft.heads(h, prev, with_confidence=has_conf)
+            q = F.softmax(logits.float(), dim=-1)
             p = F.softmax(verifier.logits(final[target_pos[0]]).float(), dim=-1)
             alpha = acceptance(q, p, d2t) * slot_mask[0]
             parts["alpha"].append(alpha.double().cpu())
             parts["mask"].append(slot_mask[0].cpu())
             if has_conf:
-                parts["conf"].append(draft.confidence_logits(h, prev).double().cpu())
+                parts["conf"].append(conf.double().cpu())
             n = anchors.shape[1]
             parts["sid"].append(torch.full((n,), ref.sample_id))
             parts["pos"].append(anchors[0].cpu())

@@ -94,7 +94,7 @@ def run_loss(
     keep_budget=None,
 ):
     return dspark_loss(
-        heads.draft_logits,
+        lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok) if confidence else None),
         verifier.logits,
         hidden,
         prev,
@@ -103,7 +103,7 @@ def run_loss(
         slot_mask,
         cfg,
         norm,
-        confidence_fn=heads.confidence_logits if confidence else None,
+        with_confidence=confidence,
         d2t=d2t,
         keep_budget=keep_budget,
     )

@@ -183,6 +183,11 @@ def test_heads_shapes_and_markov_dependence(verifier, markov_type):
     logits = model.draft_logits(hidden, prev)
     assert logits.shape == (3, 4, verifier.vocab_size)
     assert model.confidence_logits(hidden, prev).shape == (3, 4)
+    both = model.heads(hidden, prev)  # the training path: one W1 lookup for both heads
+    torch.testing.assert_close(both[0], logits)
+    torch.testing.assert_close(both[1], model.confidence_logits(hidden, prev))
+    empty = model.heads(hidden[:0], prev[:0])  # a rank with no block still runs the heads
+    assert empty[0].shape == (0, 4, verifier.vocab_size) and empty[1].shape == (0, 4)
     other = prev.clone()
     other[:, 1] += 1
     # Slot 1's bias depends on its previous token; slot 0's never does.

@@ -135,7 +135,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def train_to_end(nproc: int, args: list[str]) -> str:
     proc = torchrun(nproc, args)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, out[-12000:]
     return out
 
 

@@ -127,7 +127,7 @@ class DSparkTrainer(Trainer):
         pos = batch["target_pos"].reshape(b, a * k, 1).expand(-1, -1, batch["target_hidden"].shape[-1])
         target_hidden = batch["target_hidden"].gather(1, pos).view(b, a, k, -1)[valid]
         return dspark_loss(
-            draft.draft_logits,
+            draft.heads,
             self.verifier.logits,
             hidden[valid],
             draft.block_tokens(batch["token_ids"], batch["anchors"])[valid],
@@ -136,7 +136,7 @@ class DSparkTrainer(Trainer):
             batch["slot_mask"][valid],
             self.loss_cfg,
             norm,
-            confidence_fn=draft.confidence_logits if draft.confidence_head is not None else None,
+            with_confidence=draft.confidence_head is not None,
             d2t=draft.d2t,
         )
 
