@@ -206,16 +206,43 @@ class _Derivation:
 
     @property
     def mask_token_id(self) -> tuple[int, str]:
+        """An embedding row the data never holds: past the tokenizer, else an idle special token, else pad."""
         rows, tokens = int(self._need("vocab_size", "mask_token_id")), len(self.tokenizer)
         if rows > tokens:
             return tokens, f"derived: first unused embedding row (the tokenizer has {tokens} of {rows} rows)"
+        idle = self.idle_special_token(rows)
+        if idle is not None:
+            name = self.tokenizer.convert_ids_to_tokens(idle)
+            return idle, f"derived: {name!r}, the last special token that chats never use (no unused embedding row)"
         pad = self.tokenizer.pad_token_id
         if pad is None:
             raise UserError(
                 f"target.mask_token_id: the tokenizer of {self.model_dir} fills all {rows} embedding "
-                "rows and has no pad token; set target.mask_token_id to a token id the data never has"
+                "rows and has no idle special token or pad token; set target.mask_token_id to a token "
+                "id the data never has"
             )
-        return int(pad), f"derived: the pad token {self.tokenizer.pad_token!r} (no unused embedding row)"
+        return int(pad), f"derived: the pad token {self.tokenizer.pad_token!r} (no unused row or idle special token)"
+
+    def idle_special_token(self, rows: int) -> int | None:
+        """The highest added special token that is no bos/eos/pad/unk and that the chat template
+        does not render (e.g. SmolLM2's `<empty_output>`, Llama 3's reserved tokens): the data
+        stage never writes it, so its embedding can mark the draft's mask slots."""
+        tok = self.tokenizer
+        used = set(tok.all_special_ids)
+        chat = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
+        for messages in (chat, chat[1:]):  # some templates refuse a system turn
+            try:
+                rendered = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+            except Exception:  # any template error (no template, a refused role): next form, else the ids alone
+                continue
+            used.update(int(i) for i in rendered)
+            break
+        idle = [i for i, t in tok.added_tokens_decoder.items() if t.special and i < rows and i not in used]
+        return max(idle) if idle else None
 
     @property
     def max_model_len(self) -> tuple[int, str]:

@@ -232,7 +232,7 @@ def test_auto_target_derives_the_documented_defaults(smollm2_dir, tiny_qwen3_dir
     cpu_dtype = not torch.cuda.is_available()
     smol_tok = AutoTokenizer.from_pretrained(smollm2_dir)
     cases = {  # name_or_path -> (name, aux ids, mask id, max_model_len, dtype on CUDA, chat kwargs)
-        "embedded:smollm2": ("smollm2", [2, 15, 27], smol_tok.pad_token_id, 8192, "float32", {}),
+        "embedded:smollm2": ("smollm2", [2, 15, 27], 16, 8192, "float32", {}),
         str(tiny_qwen3_dir): ("model", [1, 2, 3], 151669, 4096, "float32", {"enable_thinking": False}),
         str(tiny_llama_dir): ("tiny-llama", [2, 14, 25], 49152, 131072, "bfloat16", {}),
     }
@@ -248,8 +248,11 @@ def test_auto_target_derives_the_documented_defaults(smollm2_dir, tiny_qwen3_dir
         assert set(target.chosen.values()) <= {v for v in target.chosen.values() if v.startswith("derived")}
         assert target.store_attrs()["layer_ids"] == [*aux, target.num_hidden_layers]
         assert str(mask) in target.describe()
-    # SmolLM2's tokenizer fills every embedding row: the mask falls back to its pad token.
+    # SmolLM2's tokenizer fills every embedding row and its pad token is <|im_end|>, which ends
+    # every turn: the mask is its last special token that chats never use, the preset's own pick.
     assert len(smol_tok) == 49152 and smol_tok.pad_token == "<|im_end|>"
+    assert smol_tok.convert_ids_to_tokens(16) == "<empty_output>"
+    assert yaml.safe_load((REPO / "conf/target/smollm2.yaml").read_text())["mask_token_id"] == 16
     # A value given on the command line wins over the derived one.
     assert resolve_target(auto_target(str(tiny_qwen3_dir), "target.mask_token_id=151700")).mask_token_id == 151700
 
@@ -280,14 +283,30 @@ def test_auto_target_errors_name_the_field(tiny_llama_dir, tiny_qwen3_dir, tmp_p
         resolve_target(auto_target(broken(text="{not json")))
     with pytest.raises(UserError, match="model_type"):
         resolve_target(auto_target(broken("model_type")))
-    # A tokenizer that fills every row and has no pad token: nothing to derive the mask from.
-    no_pad = broken("vocab_size_")
-    config = json.loads((no_pad / "config.json").read_text())
-    (no_pad / "config.json").write_text(json.dumps(config | {"vocab_size": 49152}))
-    tok_config = json.loads((no_pad / "tokenizer_config.json").read_text())
-    (no_pad / "tokenizer_config.json").write_text(json.dumps(tok_config | {"pad_token": None}))
-    with pytest.raises(UserError, match=r"target\.mask_token_id"):
-        resolve_target(auto_target(no_pad))
+    # A tokenizer that fills every row, whose only special tokens are bos/eos (and pad): the
+    # mask falls back to the pad token, and without one nothing is left to derive it from.
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    for pad in ("<pad>", None):
+        words = ["<s>", "</s>", "<pad>", "a", "b"]
+        out = broken("vocab_size_")
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(config | {"vocab_size": len(words)}))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (out / name).unlink(missing_ok=True)
+        vocab = {w: i for i, w in enumerate(words)}
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")), bos_token="<s>", eos_token="</s>"
+        )
+        if pad:
+            tok.pad_token = pad
+        tok.save_pretrained(out)
+        if pad:
+            assert resolve_target(auto_target(out)).mask_token_id == vocab[pad]
+        else:
+            with pytest.raises(UserError, match=r"target\.mask_token_id"):
+                resolve_target(auto_target(out))
 
 
 def test_store_check_names_each_differing_field(tiny_qwen3_dir):
