@@ -158,9 +158,9 @@ class DraftAttention(nn.Module):
 
         def keys(proj: nn.Linear) -> torch.Tensor:
             """[b, T+Q, kv] projection of the needed context (zeros elsewhere: masked) and the block."""
-            ctx = proj.weight.new_zeros(*context_needed.shape, proj.out_features)
-            ctx = ctx.index_put((context_needed,), proj(context))
-            return torch.cat([ctx, proj(x)], dim=1)
+            projected = proj(context)  # in the autocast dtype, when autocast is on
+            ctx = projected.new_zeros(*context_needed.shape, proj.out_features)
+            return torch.cat([ctx.index_put((context_needed,), projected), proj(x)], dim=1)
 
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(keys(self.k_proj).view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)

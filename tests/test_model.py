@@ -151,9 +151,12 @@ def test_only_context_a_block_can_see_is_projected(verifier):
     with torch.no_grad():
         hidden = model(context, input_ids, anchors, valid)
         alone = model(context[1:, :10], input_ids[1:, :10], anchors[1:], valid[1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the CUDA default's mixed precision
+            low = model(context, input_ids, anchors, valid)
     handle.remove()
-    assert rows == [2 + 9, 9]  # positions < 2 of row 0 and < 9 of row 1; then row 1 alone
+    assert rows == [2 + 9, 9, 2 + 9]  # positions < 2 of row 0 and < 9 of row 1; row 1 alone; again
     torch.testing.assert_close(hidden[1], alone[0])
+    torch.testing.assert_close(low.float(), hidden, rtol=0.1, atol=0.1)
 
 
 def test_row_without_anchors_gives_empty_blocks_and_bf16_context_is_accepted(verifier):
