@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from conftest import qwen_tokenizer_files
+from drafts import draft_config
 from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.config import DraftConfig, TargetConfig
+from dspark.config import TargetConfig
 from dspark.export import export_drafter
 from dspark.model import DSparkDraft
 from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
@@ -114,17 +115,10 @@ def export_tiny_drafter(
         ids = torch.cat([torch.arange(draft_vocab_size - 48), torch.arange(1000, 1096, 2)])
         d2t = ids - torch.arange(draft_vocab_size)
     torch.manual_seed(seed)
-    cfg = DraftConfig(
-        num_layers=2,
-        block_size=4,
+    cfg = draft_config(
         draft_vocab_size=draft_vocab_size,
-        markov_rank=8,
-        markov_type="vanilla",
         confidence_head=confidence_head,
         confidence_head_with_markov=confidence_head,
-        sliding_window=None,
-        causal_in_block=False,
-        attn_impl="sdpa",
     )
     model = DSparkDraft(cfg, verifier.config, list(AUX_LAYER_IDS), mask_token_id, d2t=d2t)
     model.load_verifier(verifier)
