@@ -19,8 +19,8 @@ Steps of the two alternate, so machine noise (a shared machine) hits both; the r
 taken per round (speculators' step time / this trainer's) and reported as the median with
 its min and max, in wall time and in CPU time (less disturbed by other processes). Shares of step time come from one profiled step of each (torch.profiler,
 self time of every op): (a) backbone = everything not below, (b) vocabulary-sized loss =
-every op with a vocabulary-sized operand (both lm_heads, Markov W2, softmaxes, their
-backward), (c) optimizer = the AdamW step. FLOP fraction: analytic forward+backward FLOPs
+every op with a vocabulary-sized operand, or called by one or by `project_into` (both
+lm_heads, Markov W2, softmaxes, their backward), (c) optimizer = the AdamW step. FLOP fraction: analytic forward+backward FLOPs
 of the useful work (backbone on the conversations' tokens, both lm_heads and Markov W2 on
 the scored slots) over the median step time, against the best matmul FLOP/s measured in
 the same run (measured before every round; the fastest counts). `adamw_step_s`: one AdamW
@@ -130,15 +130,19 @@ def sync() -> None:
 
 
 def matmul_flops_per_s(shape: Shape) -> float:
-    """Matmul FLOP/s (in DTYPE) at this step's dominant GEMM shapes (the faster of the two)."""
+    """Matmul FLOP/s (in DTYPE) at this step's dominant GEMM shapes, the fastest of: one GEMM
+    at each shape, and the vocabulary projection tiled as the trainer runs it (`project_into`)."""
+    from dspark.vocab_matmul import project_into
+
     best = 0.0
     for m, k, n in ((256, shape.hidden, shape.vocab), (2048, shape.hidden, shape.ffn)):
-        a, b = torch.randn(m, k, device=DEVICE, dtype=DTYPE), torch.randn(k, n, device=DEVICE, dtype=DTYPE)
-        sync()
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = max(best, 2 * m * k * n / (time.perf_counter() - start))
+        a, b = torch.randn(m, k, device=DEVICE, dtype=DTYPE), torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+        for tiled in (False, True) if n == shape.vocab else (False,):
+            sync()
+            start = time.perf_counter()
+            project_into(a, b, a.new_empty(m, n)) if tiled else a @ b.t()
+            sync()
+            best = max(best, 2 * m * k * n / (time.perf_counter() - start))
     return best
 
 
@@ -163,18 +167,14 @@ def classify(prof, vocab: int) -> dict[str, float]:
     """Self CPU time (s) of the profiled step by part: backbone, vocabulary-sized loss, optimizer."""
     parts = {"backbone": 0.0, "vocab_loss": 0.0, "optimizer": 0.0}
     for evt in prof.events():
-        node, in_optimizer = evt, False
-        while node is not None:
+        part, node = "backbone", evt
+        while node is not None:  # the op or a caller: the optimizer step, or vocabulary-sized work
             if node.name.startswith("Optimizer.step"):
-                in_optimizer = True
+                part = "optimizer"
                 break
+            if node.name == "project_into" or any(vocab in s for s in node.input_shapes if isinstance(s, list)):
+                part = "vocab_loss"
             node = node.cpu_parent
-        if in_optimizer:
-            part = "optimizer"
-        elif any(vocab in s for s in evt.input_shapes if isinstance(s, list)):
-            part = "vocab_loss"
-        else:
-            part = "backbone"
         parts[part] += evt.self_cpu_time_total / 1e6
     total = sum(parts.values())
     return {k: round(v / total, 3) for k, v in parts.items()}
@@ -199,6 +199,7 @@ def build(shape: Shape, work: Path):
     from dspark.export import export_drafter
     from dspark.model import DSparkDraft
     from dspark.verifier import VerifierHead
+    from dspark.workspace import Workspace
     from train.data import collate
     from train.dspark_trainer import DSparkTrainer
 
@@ -249,7 +250,12 @@ def build(shape: Shape, work: Path):
         anchor_sampling="uniform",
     )
     trainer = SimpleNamespace(
-        loss_cfg=loss_cfg, cfg=SimpleNamespace(seed=0), block_size=BLOCK, raw_model=ours, verifier=verifier
+        loss_cfg=loss_cfg,
+        cfg=SimpleNamespace(seed=0),
+        block_size=BLOCK,
+        raw_model=ours,
+        verifier=verifier,
+        workspace=Workspace(),
     )
     trainer.prepare_batch = lambda batch, **kw: DSparkTrainer.prepare_batch(trainer, batch, **kw)
     batch = collate(samples, [0] * len(samples))

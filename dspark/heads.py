@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from dspark.config import MARKOV_TYPES
+from dspark.vocab_matmul import project_into
+from dspark.workspace import Workspace
 
 
 class MarkovHead(nn.Module):
@@ -54,6 +56,38 @@ class MarkovHead(nn.Module):
             state = gate * state + (1.0 - gate) * torch.tanh(candidate)
             outputs.append(torch.tanh(out))
         return torch.stack(outputs, dim=1)
+
+
+class DraftLogits(torch.autograd.Function):
+    """`h·lm_headᵀ + f·W2ᵀ` (W2 term optional) written into the workspace's `draft_logits` buffer.
+
+    forward(h [m, H], lm_head [V, H], features [m, rank] | None, w2 [V, rank] | None,
+    workspace) -> [m, V]. The same products as `F.linear` + `addmm_`, with the output in reused
+    memory (see dspark.workspace) and tiled on CPU (dspark.vocab_matmul); backward computes
+    the gradients autograd would.
+    """
+
+    @staticmethod
+    def forward(ctx, h, lm_head, features, w2, workspace: Workspace):
+        out = workspace.take("draft_logits", (h.shape[0], lm_head.shape[0]), h.dtype, h.device)
+        if features is None:
+            project_into(h, lm_head, out)
+        else:
+            project_into(h, lm_head, project_into(features, w2, out), accumulate=True)
+        ctx.save_for_backward(h, lm_head, features, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, lm_head, features, w2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        return (
+            grad @ lm_head if need[0] else None,
+            grad.t() @ h if need[1] else None,
+            grad @ w2 if need[2] else None,
+            grad.t() @ features if need[3] else None,
+            None,
+        )
 
 
 class ConfidenceHead(nn.Module):

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from dspark.config import DISTRIBUTION_TERMS, LossConfig
 from dspark.metrics import AcceptanceStats, check_draft_width, draft_target_ids
 from dspark.vocab_terms import VocabTerms, wide
+from dspark.workspace import Workspace
 
 
 @dataclass
@@ -87,10 +88,13 @@ def keep_budget_bytes(device: torch.device) -> int:
 class _ChunkObjective:
     """Weighted term sums of one chunk of blocks (a plain callable, so it can be checkpointed)."""
 
-    def __init__(self, heads_fn, with_confidence, target_logits_fn, d2t, cfg):
-        self.heads_fn = heads_fn
+    def __init__(self, heads_fn, with_confidence, target_logits_fn, d2t, cfg, workspace):
+        # With a workspace, both projections write into its reused buffers (dspark.workspace).
+        ws = {} if workspace is None else {"workspace": workspace}
+        self.heads_fn = lambda hidden, prev: heads_fn(hidden, prev, **ws)
+        self.target_logits_fn = lambda target_hidden: target_logits_fn(target_hidden, **ws)
+        self.workspace = workspace
         self.with_confidence = with_confidence
-        self.target_logits_fn = target_logits_fn
         self.d2t = d2t
         self.ce_argmax = cfg.ce_target == "argmax"
         self.term_weights = tuple(float(cfg.weights.get(t, 0.0)) for t in DISTRIBUTION_TERMS)
@@ -113,7 +117,7 @@ class _ChunkObjective:
         self.slot_bytes = logits.shape[-1] * logits.element_size()
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         objective, sums, alpha, out_of_vocab = VocabTerms.apply(
-            logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad
+            logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad, self.workspace
         )
         confidence, bce_sum = None, None
         if self.with_confidence:
@@ -150,6 +154,7 @@ def dspark_loss(
     with_confidence: bool = False,
     d2t: Tensor | None = None,
     keep_budget: int | None = None,
+    workspace: Workspace | None = None,
 ) -> LossOutput:
     """The DSpark loss of n blocks of B slots (see the module docstring for the terms).
 
@@ -161,7 +166,8 @@ def dspark_loss(
     `d2t [Vd]` draft→target offsets or None for the full vocabulary; `norm` the all-reduced
     `weight_sum` (None: this batch's own, for a single process); `keep_budget` bytes of
     per-chunk gradients kept from forward to backward (None: `keep_budget_bytes`; 0: recompute
-    every chunk but the first in backward).
+    every chunk but the first in backward); `workspace` reused vocabulary-sized buffers
+    (dspark.workspace), passed on to both functions as `workspace=` when given.
     """
     _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
     if not cfg.weights and not with_confidence:
@@ -177,7 +183,7 @@ def dspark_loss(
     # With no scored slot anywhere every sum is 0: the loss is 0, not 0/0.
     norm = torch.as_tensor(norm, dtype=torch.float64, device=hidden.device).clamp_min(1e-12)
     terms = tuple(t for t in DISTRIBUTION_TERMS if t in cfg.weights)
-    objective = _ChunkObjective(heads_fn, with_confidence, target_logits_fn, d2t, cfg)
+    objective = _ChunkObjective(heads_fn, with_confidence, target_logits_fn, d2t, cfg, workspace)
 
     # Memory: each chunk's vocabulary-sized work (both projections, VocabTerms) runs and is
     # freed before the next chunk starts; what outlives forward is one [chunk, B, Vd] gradient

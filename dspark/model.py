@@ -20,8 +20,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dspark.attention import BlockLayout, DraftAttention
 from dspark.config import DraftConfig
-from dspark.heads import ConfidenceHead, MarkovHead
+from dspark.heads import ConfidenceHead, DraftLogits, MarkovHead
 from dspark.verifier import VerifierHead, check_model_type, require_field
+from dspark.workspace import Workspace
 
 
 def draft_layer_config(verifier_config: PretrainedConfig, cfg: DraftConfig) -> Qwen3Config:
@@ -273,22 +274,31 @@ class DSparkDraft(nn.Module):
         return self.norm(x).view(bsz, anchors.shape[1], self.block_size, self.layer_config.hidden_size)
 
     def heads(
-        self, hidden: torch.Tensor, prev: torch.Tensor, with_confidence: bool = True
+        self,
+        hidden: torch.Tensor,
+        prev: torch.Tensor,
+        with_confidence: bool = True,
+        workspace: Workspace | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits [n, B, V_draft] and confidence logits [n, B] (None without that head or
         when not asked for) of hidden [n, B, H] with previous tokens prev [n, B]: one Markov
-        W1 lookup serves both."""
+        W1 lookup serves both. With a workspace (outside autocast) the logits are written into
+        its reused memory (see dspark.workspace)."""
         emb = None if self.markov_head is None else self.markov_head.prev_embeddings(prev)
-        if emb is None:
-            logits = F.linear(hidden, self.lm_head.weight)
+        features = None if emb is None else self.markov_head.features(emb, hidden).flatten(0, -2)  # [n·B, rank]
+        w2 = None if emb is None else self.markov_head.markov_w2.weight
+        h = hidden.flatten(0, -2)
+        if workspace is not None and not torch.is_autocast_enabled(hidden.device.type):
+            flat = DraftLogits.apply(h, self.lm_head.weight, features, w2, workspace)
+        elif features is None:
+            flat = F.linear(h, self.lm_head.weight)
         else:
-            features = self.markov_head.features(emb, hidden).flatten(0, -2)  # [n·B, rank]
             # The bias W2·f is a fresh 2-D GEMM output that no backward reads, so the lm_head
             # GEMM accumulates into it in place: no [n, B, V] add or copy. In-place ops are not
             # autocast: operands are matched to the bias's dtype by hand (bf16 under autocast).
-            bias = F.linear(features, self.markov_head.markov_w2.weight)
-            h, w = hidden.flatten(0, -2).to(bias.dtype), self.lm_head.weight.to(bias.dtype)
-            logits = bias.addmm_(h, w.t()).view(*hidden.shape[:-1], bias.shape[-1])
+            bias = F.linear(features, w2)
+            flat = bias.addmm_(h.to(bias.dtype), self.lm_head.weight.to(bias.dtype).t())
+        logits = flat.view(*hidden.shape[:-1], flat.shape[-1])
         if not with_confidence or self.confidence_head is None:
             return logits, None
         return logits, self._confidence(hidden, emb)

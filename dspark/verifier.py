@@ -17,6 +17,9 @@ from torch.nn import functional as F
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from dspark.vocab_matmul import project_into
+from dspark.workspace import Workspace
+
 # Decoder families whose final norm is the plain `x_norm * w` RMSNorm and whose layers
 # the Qwen3-style draft can be sized from. Gemma-style `(1 + w)` norms are deliberately
 # absent: their frozen final norm would silently mis-scale every target distribution.
@@ -168,9 +171,19 @@ class VerifierHead(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def logits(self, h_prenorm: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary verifier logits from pre-norm final-layer hidden states."""
-        return F.linear(self.norm(h_prenorm), self.lm_head_weight)
+    def logits(self, h_prenorm: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+        """Full-vocabulary verifier logits [..., V] from pre-norm final-layer hidden states [..., H].
+
+        With a workspace (and no autograd or autocast to serve) they are written into its
+        `target_logits` buffer: a constant target the loss consumes in place.
+        """
+        x = self.norm(h_prenorm)
+        if workspace is None or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, self.lm_head_weight)
+        w = self.lm_head_weight.to(x.dtype)
+        out = workspace.take("target_logits", (*x.shape[:-1], w.shape[0]), x.dtype, x.device)
+        project_into(x.reshape(-1, x.shape[-1]), w, out.view(-1, w.shape[0]))
+        return out
 
 
 __all__ = [

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dspark.workspace import Workspace, scratch
+
 TILE_ELEMENTS = 1 << 24
 """Elements per row tile of the elementwise work on CPU (64 MiB per float32 work buffer).
 
@@ -42,14 +44,14 @@ def draft_index(target: Tensor, draft_ids: Tensor | None, draft_vocab: int) -> t
 
 
 class _Tiles:
-    """Work buffers of one row tile, allocated once per call and reused by every tile."""
+    """Work buffers of one row tile, taken once per call (from the workspace when given) and reused by every tile."""
 
-    def __init__(self, rows: int, vocab: int, like: Tensor):
-        self.q = like.new_empty(rows, vocab)
-        self.tmp = like.new_empty(rows, vocab)
+    def __init__(self, rows: int, vocab: int, like: Tensor, workspace: Workspace | None):
+        self.q = scratch(workspace, "vocab_q", (rows, vocab), like)
+        self.tmp = scratch(workspace, "vocab_tmp", (rows, vocab), like)
         # s_j = [q_j < p_j] as 0/1 in the logits' dtype: float products are vectorized, while
         # products with a bool tensor and row-broadcast `where` were ~10x slower per pass on CPU.
-        self.lower = like.new_empty(rows, vocab)
+        self.lower = scratch(workspace, "vocab_lower", (rows, vocab), like)
 
 
 def _softmax(x: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,13 +72,16 @@ class VocabTerms(torch.autograd.Function):
 
     forward(logits [c, B, Vd], target_logits [c, B, V] (consumed: overwritten), labels [c, B],
     slot_weight [c, B] (w_k on scored slots, 0 elsewhere), term_weights (ce, tv, kl) floats,
-    draft_ids [Vd] ascending verifier ids or None, ce_argmax, need_grad) ->
+    draft_ids [Vd] ascending verifier ids or None, ce_argmax, need_grad, workspace (reused
+    buffers, see dspark.workspace) or None) ->
     objective (Σ_t term_weights[t]·sums[t], scalar), sums [3] (ce, tv, kl, each Σ w·term),
     alpha [c, B], out_of_vocab (scored slots whose CE label is not a draft id).
     """
 
     @staticmethod
-    def forward(ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, ce_argmax, need_grad):
+    def forward(
+        ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, ce_argmax, need_grad, workspace
+    ):
         w_ce, w_tv, w_kl = term_weights
         vd, v = logits.shape[-1], target_logits.shape[-1]
         z = wide(logits).reshape(-1, vd)
@@ -87,12 +92,12 @@ class VocabTerms(torch.autograd.Function):
         grad = None
         if need_grad:  # over the verifier logits, tile by tile once read, when shapes and dtypes allow
             reuse = draft_ids is None and t.dtype == logits.dtype and t.is_contiguous()
-            grad = t if reuse else torch.empty(rows, vd, dtype=logits.dtype, device=logits.device)
+            grad = t if reuse else scratch(workspace, "vocab_grad", (rows, vd), logits)
         sums = torch.zeros(3, dtype=z.dtype, device=z.device)
         alpha = torch.empty(rows, dtype=z.dtype, device=z.device)
         out_of_vocab = torch.zeros((), dtype=torch.long, device=z.device)
         tile = rows if z.device.type == "cuda" else max(1, TILE_ELEMENTS // max(v, 1))
-        work = _Tiles(min(tile, rows), vd, z)
+        work = _Tiles(min(tile, rows), vd, z, workspace)
         for start in range(0, rows, tile):
             r = slice(start, start + tile)
             zt, tt, w = z[r], t[r], weight[r]
@@ -147,7 +152,7 @@ class VocabTerms(torch.autograd.Function):
             raise RuntimeError("dspark_loss: backward runs once per graph (its kept gradient is scaled in place)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None
+        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None, None
 
 
 __all__ = ["TILE_ELEMENTS", "VocabTerms", "draft_index", "wide"]

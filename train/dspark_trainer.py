@@ -16,6 +16,7 @@ from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, weight_su
 from dspark.metrics import AcceptanceStats
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
+from dspark.workspace import Workspace
 from train.data import Batch
 from train.trainer import Trainer
 
@@ -45,6 +46,7 @@ class DSparkTrainer(Trainer):
         self.loss_cfg = loss_cfg
         self.block_size = model.block_size
         self.verifier_name_or_path = verifier_name_or_path
+        self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
         super().__init__(*args, model=model, **kwargs)
         self.verifier = verifier
         if loss_cfg.anchor_sampling == "confident" and self.device.type == "cuda" and self.cfg.data_workers:
@@ -138,6 +140,7 @@ class DSparkTrainer(Trainer):
             norm,
             with_confidence=draft.confidence_head is not None,
             d2t=draft.d2t,
+            workspace=self.workspace,
         )
 
     def compute_loss(
