@@ -66,6 +66,21 @@ def layer_tensor_names(model: DSparkDraft, weight_map: dict, layers: list[int]) 
     return names
 
 
+def copyable_last_layers(model: DSparkDraft, target_dir: str | Path) -> tuple[list[int] | None, str]:
+    """The verifier's last `len(model.layers)` layer ids when every one can be copied, else None;
+    and a line saying which (for the run's log)."""
+    num_verifier = int(AutoConfig.from_pretrained(target_dir).get_text_config().num_hidden_layers)
+    layers = list(range(-len(model.layers), 0))
+    try:
+        layer_tensor_names(
+            model, _weight_map(Path(target_dir)), resolve_layers(layers, num_verifier, len(model.layers))
+        )
+    except UserError as err:
+        return None, f"init: draft layers random (the verifier's last layers cannot be copied: {err})"
+    first = num_verifier + layers[0]
+    return layers, f"init: draft layers start as verifier layers {first}..{num_verifier - 1}"
+
+
 @torch.no_grad()
 def init_from_verifier(
     model: DSparkDraft, target_dir: str | Path, layers: list[int] | None, fc_from_last_aux: bool
@@ -98,4 +113,4 @@ def init_from_verifier(
     return copied
 
 
-__all__ = ["init_from_verifier", "resolve_layers"]
+__all__ = ["copyable_last_layers", "init_from_verifier", "resolve_layers"]

@@ -56,6 +56,8 @@ def test_shipped_configs_pass_their_checks(overrides):
     "stage, override, section, message",
     [
         ("train", "train.lr=-1", "train", "train.lr must be > 0, got -1.0"),
+        ("train", "train.init_layers_from_verifier=last", "train", "train.init_layers_from_verifier must be auto"),
+        ("train", "train.init_fc_from_last_aux=maybe", "train", "train.init_fc_from_last_aux must be true, false"),
         ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),
         ("train", "train.epochs=many", "train", "train.epochs: Value 'many'"),
         ("train", "model.block_size=0", "model", "model.block_size must be >= 1, got 0"),

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_stores import MASK_TOKEN_ID, make_bigram_verifier
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dspark.attention import BlockLayout
 from dspark.config import DraftConfig
 from dspark.errors import UserError
-from dspark.init import init_from_verifier
+from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 
 BLOCK = 4
@@ -96,3 +96,20 @@ def test_bad_layer_choices_are_user_errors(verifier_dir):
         init_from_verifier(model, verifier_dir, [-1], fc_from_last_aux=False)
     with pytest.raises(UserError, match=r"\[4\] outside"):
         init_from_verifier(model, verifier_dir, [3, 4], fc_from_last_aux=False)
+
+
+def test_auto_takes_the_last_layers_where_they_can_be_copied(verifier_dir, tmp_path):
+    """`train.init_layers_from_verifier=auto` (the default): the last num_layers layers of a
+    verifier that has them; random, with the reason, for a shallower one or one with attention biases."""
+    layers, line = copyable_last_layers(draft(verifier_dir, num_layers=2), verifier_dir)
+    assert layers == [-2, -1] and line == "init: draft layers start as verifier layers 2..3"
+    layers, line = copyable_last_layers(draft(verifier_dir, num_layers=5), verifier_dir)
+    assert layers is None and "draft layers random" in line and "outside the verifier's 4 layers" in line
+
+    config = Qwen2Config(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    layers, line = copyable_last_layers(draft(tmp_path / "qwen2", num_layers=2), tmp_path / "qwen2")
+    assert layers is None and "self_attn.q_proj.bias" in line

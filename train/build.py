@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from dspark.config import DraftConfig, LossConfig, TargetConfig, load_section
 from dspark.errors import UserError
 from dspark.export import load_drafter
-from dspark.init import init_from_verifier
+from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.store import ShardStore
 from dspark.targets import EMBEDDED_PREFIX, Target, dataset_target, resolve_target
@@ -194,8 +194,14 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     # On the device first: the draft then shares the verifier's embedding instead of copying it.
     verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
     model.load_verifier(verifier)
-    if cfg.init_layers_from_verifier is not None or cfg.init_fc_from_last_aux:
-        init_from_verifier(model, target_dir, cfg.init_layers_from_verifier, cfg.init_fc_from_last_aux)
+    layers, fc = cfg.init_layers_from_verifier, cfg.init_fc_from_last_aux
+    if layers == "auto":
+        layers, line = copyable_last_layers(model, target_dir)
+        accelerator.print(line)
+    if fc == "auto":
+        fc = layers is not None
+    if layers is not None or fc:
+        init_from_verifier(model, target_dir, layers, fc)
     if cfg.init_from is not None:
         warm_start(model, cfg.init_from)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from dspark.config import Checked
 
@@ -31,10 +31,11 @@ class TrainConfig(Checked):
     """An existing vocab mapping to reuse (e.g. from an earlier run); null = the run's own or a new one."""
     init_from: str | None
     """Warm start: an exported drafter dir or a checkpoint dir; weights only, the schedule starts fresh."""
-    init_layers_from_verifier: list[int] | None
-    """Start draft layer j as a copy of verifier decoder layer ids[j] (negative = from the end); null = random."""
-    init_fc_from_last_aux: bool
-    """Start `fc` as a selection of the last aux layer ([0 … 0 | I]) instead of random."""
+    init_layers_from_verifier: Any
+    """`auto`: the verifier's last `model.num_layers` decoder layers where they can be copied, else
+    random; [ids]: draft layer j starts as verifier layer ids[j] (negative = from the end); null = random."""
+    init_fc_from_last_aux: Any
+    """Start `fc` as a selection of the last aux layer ([0 … 0 | I]): true, false, or `auto` (when layers are copied)."""
     resume: str
     """`auto`: continue from the newest complete checkpoint, else start fresh in an empty run_dir;
     `never`: refuse a run_dir with checkpoints; `must`: refuse one without; `restart`: delete
@@ -119,6 +120,11 @@ class TrainConfig(Checked):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self.refuse("ema_decay", "must be null or in (0, 1)")
+        layers = self.init_layers_from_verifier
+        if not (layers in (None, "auto") or isinstance(layers, list) and all(type(i) is int for i in layers)):
+            self.refuse("init_layers_from_verifier", "must be auto, null or a list of layer ids")
+        if self.init_fc_from_last_aux not in (True, False, "auto"):
+            self.refuse("init_fc_from_last_aux", "must be true, false or auto")
 
 
 __all__ = ["MIXED_PRECISION", "RESUME_MODES", "TrainConfig"]
