@@ -75,7 +75,10 @@ def test_ready_timeout_stops_the_whole_process_group(tmp_path, tiny_dir):
 
 def _script(tiny_dir: Path, run_dir: Path) -> str:
     return textwrap.dedent(f"""
-        import sys
+        import signal, sys
+        # As in a terminal, even under a test run started in the background (whose children
+        # inherit SIGINT ignored).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
         from extract.server import VLLMServer
