@@ -129,7 +129,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
     """
     parent = psutil.Process(proc.pid)
     for p in [parent, *parent.children(recursive=True)]:
-        p.send_signal(signal.SIGKILL)
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass  # already gone (e.g. a rank that died with torchrun): what the kill wants
 
 
 def train_to_end(nproc: int, args: list[str]) -> str:
