@@ -149,7 +149,7 @@ class LossConfig(Checked):
     SECTION: ClassVar[str] = "loss"
 
     weights: dict[str, float]
-    """Weights of the distribution terms: `ce`, `tv` (= ½‖q−p‖₁) and `kl`."""
+    """Weights of the distribution terms `ce`, `tv` (= ½‖q−p‖₁) and `kl`; a term at 0 is not computed."""
     ce_target: str
     """CE label: `data` (the data token) or `argmax` (the verifier's argmax)."""
     confidence_weight: float
@@ -171,6 +171,11 @@ class LossConfig(Checked):
             raise UserError(f"loss.weights: unknown term(s) {unknown}; known: {list(DISTRIBUTION_TERMS)}")
         if any(w < 0 for w in self.weights.values()):
             self.refuse("weights", "must be >= 0 for every term")
+        # A Hydra override of a dict merges into the default (`loss.weights={kl: 1.0}` keeps the
+        # others), so a term is switched off by weight 0; it is then left out, not computed.
+        if not any(w > 0 for w in self.weights.values()):
+            self.refuse("weights", f"needs at least one term with a weight > 0 (of {list(DISTRIBUTION_TERMS)})")
+        self.weights = {t: float(w) for t, w in self.weights.items() if w > 0}
         self.one_of("ce_target", CE_TARGETS)
         self.at_least(0, "confidence_weight")
         self.positive("gamma")

@@ -64,6 +64,7 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "model.markov_type=lstm", "model", "model.markov_type must be one of"),
         ("train", "loss.gamma=0", "loss", "loss.gamma must be > 0, got 0.0"),
         ("train", "+loss.weights.l1=1", "loss", "loss.weights: unknown term(s) ['l1']"),
+        ("train", "loss.weights={ce: 0, tv: 0, kl: 0}", "loss", "loss.weights needs at least one term with a weight > 0"),
         ("train", "target.max_model_len=0", "target", "target.max_model_len must be null or > 0"),
         ("data", "data.eval_fraction=1.5", "data", "data.eval_fraction must be in [0, 1]"),
         ("data", "regen.top_p=0", "regen", "regen.top_p must be in (0, 1]"),
@@ -84,6 +85,12 @@ def test_a_bad_value_is_refused_at_load_time_naming_the_field(stage, override, s
     with pytest.raises(UserError) as refused:
         load_section(STAGE_SECTIONS[stage][section], cfg, section)
     assert message in str(refused.value)
+
+
+def test_a_term_at_weight_zero_is_left_out():
+    """A dict override merges into the default, so weight 0 is how a term is switched off."""
+    cfg = composed("train", "loss.weights={ce: 0.0, tv: 0.9}", "++loss.weights.kl=0.5")
+    assert load_section(LossConfig, cfg, "loss").weights == {"tv": 0.9, "kl": 0.5}
 
 
 def test_stages_refuse_a_bad_value_before_any_work(tmp_path):

@@ -43,7 +43,7 @@ from train_stores import (
     write_token_freqs,
 )
 
-from dspark.config import load_section
+from dspark.config import LossConfig, load_section
 from dspark.errors import UserError
 from dspark.export import load_drafter
 from dspark.store import ShardStore, StoreWriter
@@ -490,7 +490,10 @@ def test_default_and_seed_recipe_configs_resolve():
     assert load_section(TrainConfig, seed, "train").run_dir == "runs/qwen3-0.6b/train/qwen3-0.6b"
     assert (seed.model.num_layers, seed.model.block_size, seed.model.draft_vocab_size) == (5, 4, 32000)
     assert (seed.model.markov_rank, seed.model.markov_type, seed.model.confidence_head) == (256, "vanilla", True)
-    assert list(seed.target.aux_layer_ids) == [2, 14, 25] and dict(seed.loss.weights) == {"ce": 0.1, "tv": 0.9}
+    assert list(seed.target.aux_layer_ids) == [2, 14, 25]
+    assert load_section(LossConfig, seed, "loss").weights == {"tv": 0.9, "kl": 0.3}  # the default loss
+    exact = compose_cfg(["+experiment=qwen3-0.6b", "loss.weights={ce: 0.1, tv: 0.9, kl: 0}"])
+    assert load_section(LossConfig, exact, "loss").weights == {"ce": 0.1, "tv": 0.9}  # the seed drafter's
     assert (seed.train.epochs, seed.train.lr, seed.data.max_samples) == (5, 3e-4, 1200)
 
 
