@@ -172,9 +172,8 @@ class LossConfig(Checked):
         if any(w < 0 for w in self.weights.values()):
             self.refuse("weights", "must be >= 0 for every term")
         # A Hydra override of a dict merges into the default (`loss.weights={kl: 1.0}` keeps the
-        # others), so a term is switched off by weight 0; it is then left out, not computed.
-        if not any(w > 0 for w in self.weights.values()):
-            self.refuse("weights", f"needs at least one term with a weight > 0 (of {list(DISTRIBUTION_TERMS)})")
+        # others), so a term is switched off by weight 0; it is then left out, not computed
+        # (with none left, dspark_loss trains the confidence head alone or refuses).
         self.weights = {t: float(w) for t, w in self.weights.items() if w > 0}
         self.one_of("ce_target", CE_TARGETS)
         self.at_least(0, "confidence_weight")

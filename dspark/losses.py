@@ -171,7 +171,7 @@ def dspark_loss(
     """
     _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
     if not cfg.weights and not with_confidence:
-        raise ValueError("loss.weights is empty and there is no confidence head: nothing to train")
+        raise ValueError("loss.weights has no term with a weight > 0 and there is no confidence head: nothing to train")
     if d2t is not None:
         ids = draft_target_ids(d2t.reshape(-1))
         if d2t.dim() != 1 or not bool((ids[1:] > ids[:-1]).all()):

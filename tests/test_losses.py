@@ -297,6 +297,17 @@ def test_bad_input_names_the_field(change, message):
         run_loss(heads, verifier, hidden, prev, target_hidden, args["labels"], slot_mask, args["d2t"], cfg)
 
 
+def test_terms_at_weight_zero_leave_the_confidence_head_or_nothing():
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(seed=9)
+    cfg = make_cfg(weights={"ce": 0.0, "tv": 0.0, "kl": 0.0})
+    assert cfg.weights == {}
+    out = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
+    assert set(out.terms) == {"confidence"}
+    torch.testing.assert_close(out.loss, cfg.confidence_weight * out.terms["confidence"])
+    with pytest.raises(ValueError, match="nothing to train"):
+        run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, confidence=False)
+
+
 def saved_bytes_for_backward(n: int, keep_budget: int | None) -> int:
     """Bytes of the distinct storages autograd keeps from forward to backward for the loss of n
     blocks (one block per chunk; the heads' weights, saved by every chunk, count once)."""
