@@ -282,7 +282,7 @@ def build(shape: Shape, work: Path):
         return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
 
     opt_cfg = SimpleNamespace(lr=1e-4, adam_betas=(0.9, 0.999), weight_decay=0.0)
-    opt_ours = make_optimizer([p for p in ours.parameters() if p.requires_grad], opt_cfg)
+    opt_ours = make_optimizer([(n, p) for n, p in ours.named_parameters() if p.requires_grad], opt_cfg)
     opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-4)
 
     def our_step() -> None:

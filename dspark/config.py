@@ -164,6 +164,8 @@ class LossConfig(Checked):
     """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""
     anchor_pool: int | None
     """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
+    context_noise: float
+    """Training only: Gaussian noise of std `context_noise` × each aux state's RMS added to the context."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.weights) - set(DISTRIBUTION_TERMS))
@@ -181,6 +183,7 @@ class LossConfig(Checked):
         self.at_least(1, "num_anchors", "chunk_size")
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
         self.at_least(1, "anchor_pool", nullable=True)
+        self.at_least(0, "context_noise")
 
 
 T_cfg = TypeVar("T_cfg")

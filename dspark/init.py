@@ -5,7 +5,8 @@ layer j can start as a copy of verifier decoder layer `layers[j]`: its attention
 projections, q/k norms, MLP and both layer norms, read by name from the verifier's
 safetensors files (only those tensors are read). `fc` can start as a selection of the last
 aux layer (`[0 … 0 | I]`), so the context injected into every draft layer starts as the
-(normed) residual stream the verifier had at that layer.
+(normed) residual stream the verifier had at that layer, and the draft's final norm can start
+as the verifier's, the one its (shared) lm_head was trained behind.
 
 Verifiers without q/k norms (llama, mistral, qwen2) leave the draft's at their init (ones);
 attention biases (qwen2) have no counterpart in the draft and are refused.
@@ -83,29 +84,31 @@ def copyable_last_layers(model: DSparkDraft, target_dir: str | Path) -> tuple[li
 
 @torch.no_grad()
 def init_from_verifier(
-    model: DSparkDraft, target_dir: str | Path, layers: list[int] | None, fc_from_last_aux: bool
+    model: DSparkDraft, target_dir: str | Path, layers: list[int] | None, fc_from_last_aux: bool, norm: bool = False
 ) -> dict[str, str]:
-    """Copy verifier decoder layers into the draft's layers and/or set `fc` to select the last
-    aux layer. Returns the draft -> verifier tensor names copied."""
+    """Copy verifier decoder layers into the draft's layers, set `fc` to select the last aux
+    layer and/or copy the verifier's final norm into the draft's. Returns the draft -> verifier
+    tensor names copied."""
     copied: dict[str, str] = {}
+    weight_map = _weight_map(Path(target_dir)) if layers is not None or norm else {}
+    if norm:  # VerifierHead.from_pretrained has already refused a verifier without one
+        copied["norm.weight"] = _find(weight_map, "norm.weight")
     if layers is not None:
-        weight_map = _weight_map(Path(target_dir))
         num_verifier = int(AutoConfig.from_pretrained(target_dir).get_text_config().num_hidden_layers)
-        copied = layer_tensor_names(model, weight_map, resolve_layers(layers, num_verifier, len(model.layers)))
-        params = dict(model.named_parameters())
-        by_file = defaultdict(list)
-        for ours, theirs in copied.items():
-            by_file[weight_map[theirs]].append((ours, theirs))
-        for file, pairs in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for ours, theirs in pairs:
-                    value = f.get_tensor(theirs)
-                    if value.shape != params[ours].shape:
-                        raise UserError(
-                            f"verifier tensor {theirs} is {tuple(value.shape)}, draft {ours} is "
-                            f"{tuple(params[ours].shape)}"
-                        )
-                    params[ours].copy_(value.to(params[ours].dtype))
+        copied.update(layer_tensor_names(model, weight_map, resolve_layers(layers, num_verifier, len(model.layers))))
+    params = dict(model.named_parameters())
+    by_file = defaultdict(list)
+    for ours, theirs in copied.items():
+        by_file[weight_map[theirs]].append((ours, theirs))
+    for file, pairs in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for ours, theirs in pairs:
+                value = f.get_tensor(theirs)
+                if value.shape != params[ours].shape:
+                    raise UserError(
+                        f"verifier tensor {theirs} is {tuple(value.shape)}, draft {ours} is {tuple(params[ours].shape)}"
+                    )
+                params[ours].copy_(value.to(params[ours].dtype))
     if fc_from_last_aux:
         hidden = model.layer_config.hidden_size
         model.fc.weight.zero_()

@@ -1,10 +1,14 @@
-"""Initialising the draft from the verifier (dspark.init): weights by name, forward vs HF's layer."""
+"""Initialising the draft from the verifier (dspark.init): weights by name, forward vs HF's layer;
+the copied layers' own LR and the context-noise regulariser."""
 
 from __future__ import annotations
 
+import shutil
+from types import SimpleNamespace
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from train_stores import MASK_TOKEN_ID, make_bigram_verifier
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -13,6 +17,8 @@ from dspark.config import DraftConfig
 from dspark.errors import UserError
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
+from train.dspark_trainer import noisy_context
+from train.trainer import make_optimizer
 
 BLOCK = 4
 
@@ -113,3 +119,60 @@ def test_auto_takes_the_last_layers_where_they_can_be_copied(verifier_dir, tmp_p
     Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
     layers, line = copyable_last_layers(draft(tmp_path / "qwen2", num_layers=2), tmp_path / "qwen2")
     assert layers is None and "self_attn.q_proj.bias" in line
+
+
+def test_final_norm_starts_as_the_verifiers(verifier_dir, tmp_path):
+    """`train.init_norm_from_verifier`: the draft's final norm is the verifier's (here not all ones),
+    and nothing else moves."""
+    shutil.copytree(verifier_dir, tmp_path / "v")
+    tensors = load_file(tmp_path / "v" / "model.safetensors")
+    tensors["model.norm.weight"] = torch.rand(tensors["model.norm.weight"].shape) + 0.5
+    save_file(tensors, tmp_path / "v" / "model.safetensors", metadata={"format": "pt"})
+    model = draft(tmp_path / "v")
+    before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad and k != "norm.weight"}
+    assert init_from_verifier(model, tmp_path / "v", None, fc_from_last_aux=False, norm=True) == {
+        "norm.weight": "model.norm.weight"
+    }
+    assert torch.equal(model.norm.weight, tensors["model.norm.weight"])
+    for k, v in model.named_parameters():
+        if k in before:
+            assert torch.equal(v, before[k]), k
+
+
+def test_copied_layers_train_at_their_own_lr(verifier_dir):
+    """`train.init_layers_lr_scale`: the copied layers get their own param group at lr × scale;
+    at 0 an AdamW step leaves them as copied while every other trainable tensor moves."""
+    model = draft(verifier_dir)
+    init_from_verifier(model, verifier_dir, [-2, -1], fc_from_last_aux=True)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    cfg = SimpleNamespace(lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.0)
+    groups = make_optimizer(named, cfg, {"layers.": 0.25}).param_groups
+    layer_ids = {id(p) for n, p in named if n.startswith("layers.")}
+    assert [g["lr"] for g in groups] == [1e-2, 2.5e-3]
+    assert {id(p) for p in groups[1]["params"]} == layer_ids and len(groups[0]["params"]) == len(named) - len(layer_ids)
+
+    opt = make_optimizer(named, cfg, {"layers.": 0.0})
+    before = {n: p.detach().clone() for n, p in named}
+    for _, p in named:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for n, p in named:
+        assert torch.equal(p, before[n]) == n.startswith("layers."), n
+
+
+def test_context_noise_is_relative_to_each_aux_state_and_reproducible():
+    """`loss.context_noise`: noise std = scale × RMS of each position's state, per aux layer
+    (checked against the sample std over many positions); the same seeds give the same noise."""
+    hidden, layers, T = 64, 3, 400
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.5, 4.0, 40.0])  # aux layers of very different magnitude
+    context = (torch.randn(2, T, layers, hidden, generator=gen) * scales[:, None]).flatten(-2)
+    context[1, T // 2 :] = 0  # row padding stays zero
+    noisy = noisy_context(context, hidden, 0.2, [7, 8])
+    assert noisy.shape == context.shape and torch.equal(noisy, noisy_context(context, hidden, 0.2, [7, 8]))
+    assert not torch.equal(noisy[0], noisy_context(context, hidden, 0.2, [9, 8])[0])
+    assert torch.equal(noisy[1, T // 2 :], context[1, T // 2 :])
+    x, y = context[0].view(T, layers, hidden), noisy[0].view(T, layers, hidden)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = ((y - x) / rms).std(dim=(0, 2))  # per aux layer
+    torch.testing.assert_close(ratio, torch.full((layers,), 0.2), atol=0.01, rtol=0)

@@ -198,10 +198,9 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     if layers == "auto":
         layers, line = copyable_last_layers(model, target_dir)
         accelerator.print(line)
-    if fc == "auto":
-        fc = layers is not None
-    if layers is not None or fc:
-        init_from_verifier(model, target_dir, layers, fc)
+    fc, norm = (layers is not None if v == "auto" else v for v in (fc, cfg.init_norm_from_verifier))
+    if layers is not None or fc or norm:
+        init_from_verifier(model, target_dir, layers, fc, norm)
     if cfg.init_from is not None:
         warm_start(model, cfg.init_from)
 
@@ -218,6 +217,7 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         config_yaml=OmegaConf.to_yaml(full_cfg, resolve=True),
         run_files={} if mapping_file is None else {mapping_file.name: mapping_file},
         resume_from=resume_from,
+        lr_scales=None if layers is None else {"layers.": cfg.init_layers_lr_scale},
     )
 
 

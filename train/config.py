@@ -36,6 +36,10 @@ class TrainConfig(Checked):
     random; [ids]: draft layer j starts as verifier layer ids[j] (negative = from the end); null = random."""
     init_fc_from_last_aux: Any
     """Start `fc` as a selection of the last aux layer ([0 … 0 | I]): true, false, or `auto` (when layers are copied)."""
+    init_layers_lr_scale: float
+    """Multiplier of `lr` for the draft layers copied from the verifier (0 keeps them frozen at the copy)."""
+    init_norm_from_verifier: Any
+    """Start the draft's final norm as the verifier's final norm: true, false, or `auto` (when layers are copied)."""
     resume: str
     """`auto`: continue from the newest complete checkpoint, else start fresh in an empty run_dir;
     `never`: refuse a run_dir with checkpoints; `must`: refuse one without; `restart`: delete
@@ -118,13 +122,16 @@ class TrainConfig(Checked):
             self.refuse("min_lr_ratio", "must be in [0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
+        if self.init_layers_lr_scale < 0:
+            self.refuse("init_layers_lr_scale", "must be >= 0")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self.refuse("ema_decay", "must be null or in (0, 1)")
         layers = self.init_layers_from_verifier
         if not (layers in (None, "auto") or isinstance(layers, list) and all(type(i) is int for i in layers)):
             self.refuse("init_layers_from_verifier", "must be auto, null or a list of layer ids")
-        if self.init_fc_from_last_aux not in (True, False, "auto"):
-            self.refuse("init_fc_from_last_aux", "must be true, false or auto")
+        for key in ("init_fc_from_last_aux", "init_norm_from_verifier"):
+            if getattr(self, key) not in (True, False, "auto"):
+                self.refuse(key, "must be true, false or auto")
 
 
 __all__ = ["MIXED_PRECISION", "RESUME_MODES", "TrainConfig"]
