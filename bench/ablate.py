@@ -1,8 +1,9 @@
 """`make ablate`: named training variants side by side, with standard errors.
 
-Every variant (a list of Hydra overrides of `python -m train`, see `bench/ablate.yaml`) is
-trained at each budget (`steps` × each of `budgets`) and each seed, on the same stores
-with the same `common` overrides, then scored on the held-out store by the existing
+Every variant (a list of Hydra overrides of `python -m train`, see `bench/ablate.yaml`; an
+entry `@other` stands for the overrides of variant `other`) is trained at each budget
+(`steps` × each of `budgets`) and each seed, on the same stores with the same `common`
+overrides, then scored on the held-out store by the existing
 offline evaluation (`eval.offline.evaluate_blocks`: full-vocabulary analytic acceptance,
 the same blocks for every run). Its untrained draft (same seed, same init levers) is
 scored the same way. One table, `ablations.json` + `ablations.png` in `out`:
@@ -152,7 +153,23 @@ def load_config(path: Path) -> dict:
         raise SystemExit(f"{path}: missing keys {missing}")
     if cfg["reference"] not in cfg["variants"]:
         raise SystemExit(f"{path}: reference {cfg['reference']!r} is not one of the variants {list(cfg['variants'])}")
+    cfg["variants"] = {name: expand_variant(path, cfg["variants"], name) for name in cfg["variants"]}
     return cfg
+
+
+def expand_variant(path: Path, variants: dict, name: str, seen: tuple[str, ...] = ()) -> list[str]:
+    """A variant's overrides, each entry `@other` replaced by the (expanded) overrides of variant `other`."""
+    if name in seen:
+        raise SystemExit(f"{path}: variants refer to each other in a cycle: {' -> '.join([*seen, name])}")
+    out = []
+    for item in variants[name]:
+        if isinstance(item, str) and item.startswith("@"):
+            if item[1:] not in variants:
+                raise SystemExit(f"{path}: variant {name!r} refers to {item!r}, which is not a variant")
+            out += expand_variant(path, variants, item[1:], (*seen, name))
+        else:
+            out.append(item)
+    return out
 
 
 def launcher(command: list[str]) -> list[str]:

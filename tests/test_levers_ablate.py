@@ -170,3 +170,32 @@ def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
     for name, average in zip(trainable, averages, strict=True):
         torch.testing.assert_close(exported[name], average.to(exported[name].dtype))
     assert not torch.equal(exported["fc.weight"], ckpt["weights"]["fc.weight"])
+
+
+def test_a_variant_can_build_on_another(tmp_path):
+    """`@other` in a variant's list stands for variant `other`'s (expanded) overrides."""
+    cfg = {
+        "launcher": ["python", "-m", "train"],
+        "runs_dir": "runs",
+        "common": [],
+        "steps": 1,
+        "budgets": [1],
+        "seeds": [0],
+        "eval": {},
+        "reference": "base",
+        "variants": {"base": ["a=1"], "mid": ["@base", "b=2"], "top": ["c=3", "@mid", "d=4"]},
+    }
+    path = tmp_path / "ablate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert ablate.load_config(path)["variants"] == {
+        "base": ["a=1"],
+        "mid": ["a=1", "b=2"],
+        "top": ["c=3", "a=1", "b=2", "d=4"],
+    }
+    for variants, message in [
+        ({"base": ["@nope"]}, "refers to '@nope', which is not a variant"),
+        ({"base": ["@loop"], "loop": ["@base"]}, "cycle: base -> loop -> base"),
+    ]:
+        path.write_text(yaml.safe_dump({**cfg, "variants": variants}))
+        with pytest.raises(SystemExit, match=message):
+            ablate.load_config(path)
