@@ -130,6 +130,8 @@ class DraftConfig(Checked):
     """Causal attention inside a block (default false: bidirectional, as in the paper)."""
     attn_impl: str
     """`sdpa` (everywhere) or `flex` (CUDA only, tested equal to sdpa)."""
+    markov_embed_proj: bool = False
+    """Training only: W1[prev] gets + E[prev]·P (E the verifier's embedding, P trainable), folded into W1 at export."""
 
     def __post_init__(self) -> None:
         self.at_least(1, "block_size", "num_layers")
@@ -140,6 +142,8 @@ class DraftConfig(Checked):
         if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             self.refuse("confidence_head_with_markov", "needs the Markov head (model.markov_rank > 0)")
         self.one_of("attn_impl", ATTN_IMPLS)
+        if self.markov_embed_proj and self.markov_rank == 0:
+            self.refuse("markov_embed_proj", "needs the Markov head (model.markov_rank > 0)")
 
 
 @dataclass

@@ -66,8 +66,11 @@ def drafter_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
             "a reduced-vocabulary draft needs load_verifier(...) before export "
             "(its lm_head rows come from the verifier)"
         )
-    skip = model.verifier_owned()
-    return {name: t.detach().contiguous() for name, t in model.state_dict().items() if name not in skip}
+    skip = model.verifier_owned() | {"markov_embed_proj.weight"}
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if name not in skip}
+    if model.markov_embed_proj is not None:
+        tensors["markov_head.markov_w1.weight"] = model.folded_markov_w1().detach().contiguous()
+    return tensors
 
 
 def export_drafter(model: DSparkDraft, out_dir, verifier_name_or_path: str, extra_meta: dict | None = None) -> Path:

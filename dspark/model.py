@@ -164,6 +164,11 @@ class DSparkDraft(nn.Module):
         self.markov_head = None
         if cfg.markov_rank > 0:
             self.markov_head = MarkovHead(vocab, self.draft_vocab_size, cfg.markov_rank, hidden, cfg.markov_type)
+        # Training-time reparametrisation of W1: a projection of the verifier's token embedding
+        # shared by every token, added to the free table (export folds it into W1).
+        self.markov_embed_proj = None
+        if cfg.markov_embed_proj:
+            self.markov_embed_proj = nn.Linear(hidden, cfg.markov_rank, bias=False)
         self.confidence_head = None
         if cfg.confidence_head:
             with_markov = cfg.confidence_head_with_markov
@@ -181,6 +186,22 @@ class DSparkDraft(nn.Module):
         if self.markov_head is not None:
             # Small previous-token embeddings: the bias starts near zero (pure parallel draft).
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
+        if self.markov_embed_proj is not None:
+            nn.init.zeros_(self.markov_embed_proj.weight)  # the head starts as without it
+
+    def prev_embeddings(self, prev: torch.Tensor) -> torch.Tensor:
+        """[..., rank] Markov embeddings W1[prev] of previous tokens prev [...]."""
+        emb = self.markov_head.prev_embeddings(prev)
+        if self.markov_embed_proj is not None:
+            emb = emb + self.markov_embed_proj(self.embed_tokens(prev))
+        return emb
+
+    def folded_markov_w1(self) -> torch.Tensor:
+        """[V, rank] the W1 table the draft uses (with `markov_embed_proj` folded in), as exported."""
+        w1 = self.markov_head.markov_w1.weight
+        if self.markov_embed_proj is None:
+            return w1
+        return w1 + self.embed_tokens.weight.to(w1.dtype) @ self.markov_embed_proj.weight.t()
 
     @property
     def target_ids(self) -> torch.Tensor:
@@ -284,7 +305,7 @@ class DSparkDraft(nn.Module):
         when not asked for) of hidden [n, B, H] with previous tokens prev [n, B]: one Markov
         W1 lookup serves both. With a workspace (outside autocast) the logits are written into
         its reused memory (see dspark.workspace)."""
-        emb = None if self.markov_head is None else self.markov_head.prev_embeddings(prev)
+        emb = None if self.markov_head is None else self.prev_embeddings(prev)
         features = None if emb is None else self.markov_head.features(emb, hidden).flatten(0, -2)  # [n·B, rank]
         w2 = None if emb is None else self.markov_head.markov_w2.weight
         h = hidden.flatten(0, -2)
@@ -312,7 +333,7 @@ class DSparkDraft(nn.Module):
         if self.confidence_head is None:
             raise RuntimeError("this draft has no confidence head (model.confidence_head=false)")
         with_markov = self.cfg.confidence_head_with_markov
-        return self._confidence(hidden, self.markov_head.prev_embeddings(prev) if with_markov else None)
+        return self._confidence(hidden, self.prev_embeddings(prev) if with_markov else None)
 
     def _confidence(self, hidden: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor:
         if self.cfg.confidence_head_with_markov:

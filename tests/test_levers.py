@@ -16,7 +16,9 @@ from dspark.attention import BlockLayout
 from dspark.config import DraftConfig
 from dspark.errors import UserError
 from dspark.init import copyable_last_layers, init_from_verifier
+from dspark.export import export_drafter, load_drafter
 from dspark.model import DSparkDraft
+from dspark.verifier import VerifierHead
 from train.dspark_trainer import noisy_context
 from train.trainer import make_optimizer
 
@@ -28,18 +30,19 @@ def verifier_dir(tmp_path_factory):
     return make_bigram_verifier(tmp_path_factory.mktemp("levers") / "verifier")
 
 
-def draft(verifier_dir, num_layers: int = 2) -> DSparkDraft:
+def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, markov_embed_proj: bool = False) -> DSparkDraft:
     cfg = DraftConfig(
         num_layers=num_layers,
         block_size=BLOCK,
         draft_vocab_size=None,
-        markov_rank=0,
+        markov_rank=markov_rank,
         markov_type="vanilla",
         confidence_head=False,
         confidence_head_with_markov=False,
         sliding_window=None,
         causal_in_block=True,
         attn_impl="sdpa",
+        markov_embed_proj=markov_embed_proj,
     )
     return DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
 
@@ -176,3 +179,25 @@ def test_context_noise_is_relative_to_each_aux_state_and_reproducible():
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     ratio = ((y - x) / rms).std(dim=(0, 2))  # per aux layer
     torch.testing.assert_close(ratio, torch.full((layers,), 0.2), atol=0.01, rtol=0)
+
+
+@torch.no_grad()
+def test_markov_embedding_projection_is_folded_into_w1_at_export(verifier_dir, tmp_path):
+    """`model.markov_embed_proj`: W1[prev] + E[prev]·P in training; the exported drafter holds the
+    folded table W1 + E·P and computes the same logits as a plain vanilla head."""
+    verifier = VerifierHead.from_pretrained(verifier_dir)
+    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True)
+    model.load_verifier(verifier)
+    assert not model.markov_embed_proj.weight.any()  # starts as the head without it
+    torch.nn.init.normal_(model.markov_embed_proj.weight, std=0.5)
+    export_drafter(model, tmp_path / "drafter", str(verifier_dir))
+    loaded = load_drafter(tmp_path / "drafter", verifier)
+    assert loaded.markov_embed_proj is None and not loaded.cfg.markov_embed_proj
+    gen = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, model.verifier_vocab_size, (6, BLOCK), generator=gen)
+    hidden = torch.randn(6, BLOCK, model.layer_config.hidden_size, generator=gen)
+    ours = model.draft_logits(hidden, prev)
+    torch.testing.assert_close(loaded.draft_logits(hidden, prev), ours, rtol=1e-5, atol=1e-5)
+    # the projection is part of what the draft computes (the comparison above can fail)
+    table_only = model.lm_head(hidden) + model.markov_head.markov_w2(model.markov_head.markov_w1(prev))
+    assert not torch.allclose(table_only, ours, atol=1e-3)
