@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 from dspark.attention import BlockLayout
 from dspark.config import DraftConfig
 from dspark.errors import UserError
-from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.export import export_drafter, load_drafter
+from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
 from train.dspark_trainer import noisy_context
