@@ -66,10 +66,11 @@ def drafter_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
             "a reduced-vocabulary draft needs load_verifier(...) before export "
             "(its lm_head rows come from the verifier)"
         )
-    skip = model.verifier_owned() | {"markov_embed_proj.weight"}
+    skip = model.verifier_owned() | {"markov_embed_proj.weight", "markov_lm_head_proj.weight"}
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if name not in skip}
-    if model.markov_embed_proj is not None:
+    if model.markov_head is not None:  # the training-time projections folded in (no-ops without them)
         tensors["markov_head.markov_w1.weight"] = model.folded_markov_w1().detach().contiguous()
+        tensors["markov_head.markov_w2.weight"] = model.folded_markov_w2().detach().contiguous()
     return tensors
 
 

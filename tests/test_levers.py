@@ -30,7 +30,7 @@ def verifier_dir(tmp_path_factory):
     return make_bigram_verifier(tmp_path_factory.mktemp("levers") / "verifier")
 
 
-def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, markov_embed_proj: bool = False) -> DSparkDraft:
+def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, **projections: bool) -> DSparkDraft:
     cfg = DraftConfig(
         num_layers=num_layers,
         block_size=BLOCK,
@@ -42,7 +42,7 @@ def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, markov_embed_
         sliding_window=None,
         causal_in_block=True,
         attn_impl="sdpa",
-        markov_embed_proj=markov_embed_proj,
+        **projections,
     )
     return DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
 
@@ -182,22 +182,29 @@ def test_context_noise_is_relative_to_each_aux_state_and_reproducible():
 
 
 @torch.no_grad()
-def test_markov_embedding_projection_is_folded_into_w1_at_export(verifier_dir, tmp_path):
-    """`model.markov_embed_proj`: W1[prev] + E[prev]·P in training; the exported drafter holds the
-    folded table W1 + E·P and computes the same logits as a plain vanilla head."""
+def test_markov_projections_are_folded_into_the_tables_at_export(verifier_dir, tmp_path):
+    """`model.markov_embed_proj` / `markov_lm_head_proj`: W1[prev] + E[prev]·P and W2 + L·Q in
+    training; the exported drafter holds the folded tables and computes the same logits as a
+    plain vanilla head."""
     verifier = VerifierHead.from_pretrained(verifier_dir)
-    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True)
+    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True, markov_lm_head_proj=True)
     model.load_verifier(verifier)
-    assert not model.markov_embed_proj.weight.any()  # starts as the head without it
-    torch.nn.init.normal_(model.markov_embed_proj.weight, std=0.5)
+    for proj in (model.markov_embed_proj, model.markov_lm_head_proj):
+        assert not proj.weight.any()  # the head starts as without them
+        torch.nn.init.normal_(proj.weight, std=0.5)
     export_drafter(model, tmp_path / "drafter", str(verifier_dir))
     loaded = load_drafter(tmp_path / "drafter", verifier)
-    assert loaded.markov_embed_proj is None and not loaded.cfg.markov_embed_proj
+    assert loaded.markov_embed_proj is None and loaded.markov_lm_head_proj is None
     gen = torch.Generator().manual_seed(0)
     prev = torch.randint(0, model.verifier_vocab_size, (6, BLOCK), generator=gen)
     hidden = torch.randn(6, BLOCK, model.layer_config.hidden_size, generator=gen)
     ours = model.draft_logits(hidden, prev)
     torch.testing.assert_close(loaded.draft_logits(hidden, prev), ours, rtol=1e-5, atol=1e-5)
-    # the projection is part of what the draft computes (the comparison above can fail)
-    table_only = model.lm_head(hidden) + model.markov_head.markov_w2(model.markov_head.markov_w1(prev))
+    # independent: the bias written out by hand from the parts
+    head = model.markov_head
+    w1 = head.markov_w1(prev) + model.embed_tokens(prev) @ model.markov_embed_proj.weight.t()
+    w2 = head.markov_w2.weight + model.lm_head.weight @ model.markov_lm_head_proj.weight
+    torch.testing.assert_close(ours, model.lm_head(hidden) + w1 @ w2.t(), rtol=1e-5, atol=1e-4)
+    # the projections are part of what the draft computes (the comparisons above can fail)
+    table_only = model.lm_head(hidden) + head.markov_w2(head.markov_w1(prev))
     assert not torch.allclose(table_only, ours, atol=1e-3)
