@@ -59,7 +59,7 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "train.init_layers_from_verifier=last", "train", "train.init_layers_from_verifier must be auto"),
         ("train", "train.init_fc_from_last_aux=maybe", "train", "train.init_fc_from_last_aux must be true, false"),
         ("train", "train.init_norm_from_verifier=yes", "train", "train.init_norm_from_verifier must be true, false"),
-        ("train", "train.init_layers_lr_scale=-0.5", "train", "train.init_layers_lr_scale must be >= 0"),
+        ("train", "train.lr_scales={layers: -0.5}", "train", "train.lr_scales must map parameter-name prefixes"),
         ("train", "loss.context_noise=-0.1", "loss", "loss.context_noise must be >= 0"),
         ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),
         ("train", "train.epochs=many", "train", "train.epochs: Value 'many'"),

@@ -1,5 +1,5 @@
 """Initialising the draft from the verifier (dspark.init): weights by name, forward vs HF's layer;
-the copied layers' own LR and the context-noise regulariser."""
+LR multipliers by module, the Markov projections and the context-noise regulariser."""
 
 from __future__ import annotations
 
@@ -142,25 +142,32 @@ def test_final_norm_starts_as_the_verifiers(verifier_dir, tmp_path):
             assert torch.equal(v, before[k]), k
 
 
-def test_copied_layers_train_at_their_own_lr(verifier_dir):
-    """`train.init_layers_lr_scale`: the copied layers get their own param group at lr × scale;
-    at 0 an AdamW step leaves them as copied while every other trainable tensor moves."""
+def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
+    """`train.lr_scales`: the parameters under each prefix (the longest match wins) get a param
+    group at lr × scale; at 0 an AdamW step leaves them as they were while every other tensor moves;
+    a prefix that matches nothing is refused."""
     model = draft(verifier_dir)
-    init_from_verifier(model, verifier_dir, [-2, -1], fc_from_last_aux=True)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    cfg = SimpleNamespace(lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.0)
-    groups = make_optimizer(named, cfg, {"layers.": 0.25}).param_groups
-    layer_ids = {id(p) for n, p in named if n.startswith("layers.")}
-    assert [g["lr"] for g in groups] == [1e-2, 2.5e-3]
-    assert {id(p) for p in groups[1]["params"]} == layer_ids and len(groups[0]["params"]) == len(named) - len(layer_ids)
+    cfg = SimpleNamespace(
+        lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.0, lr_scales={"layers": 0.25, "layers.1": 0.5}
+    )
+    groups = make_optimizer(named, cfg).param_groups
+    ids = [{id(p) for n, p in named if n.startswith(prefix)} for prefix in ("layers.0.", "layers.1.")]
+    assert [g["lr"] for g in groups] == [1e-2, 2.5e-3, 5e-3]
+    assert [{id(p) for p in g["params"]} for g in groups[1:]] == ids
+    assert len(groups[0]["params"]) == len(named) - len(ids[0]) - len(ids[1])
 
-    opt = make_optimizer(named, cfg, {"layers.": 0.0})
+    cfg.lr_scales = {"layers": 0.0}
+    opt = make_optimizer(named, cfg)
     before = {n: p.detach().clone() for n, p in named}
     for _, p in named:
         p.grad = torch.ones_like(p)
     opt.step()
     for n, p in named:
         assert torch.equal(p, before[n]) == n.startswith("layers."), n
+    cfg.lr_scales = {"layer": 0.5}  # a prefix is a module path, not a string prefix
+    with pytest.raises(UserError, match=r"train.lr_scales: \['layer'\] match no trainable parameter"):
+        make_optimizer(named, cfg)
 
 
 def test_context_noise_is_relative_to_each_aux_state_and_reproducible():

@@ -217,7 +217,6 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         config_yaml=OmegaConf.to_yaml(full_cfg, resolve=True),
         run_files={} if mapping_file is None else {mapping_file.name: mapping_file},
         resume_from=resume_from,
-        lr_scales=None if layers is None else {"layers.": cfg.init_layers_lr_scale},
     )
 
 

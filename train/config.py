@@ -36,8 +36,6 @@ class TrainConfig(Checked):
     random; [ids]: draft layer j starts as verifier layer ids[j] (negative = from the end); null = random."""
     init_fc_from_last_aux: Any
     """Start `fc` as a selection of the last aux layer ([0 … 0 | I]): true, false, or `auto` (when layers are copied)."""
-    init_layers_lr_scale: float
-    """Multiplier of `lr` for the draft layers copied from the verifier (0 keeps them frozen at the copy)."""
     init_norm_from_verifier: Any
     """Start the draft's final norm as the verifier's final norm: true, false, or `auto` (when layers are copied)."""
     resume: str
@@ -60,6 +58,8 @@ class TrainConfig(Checked):
     """Padded tokens per forward pass on one rank (bounds memory; more micro-batches = accumulation)."""
     lr: float
     """Peak learning rate of AdamW."""
+    lr_scales: dict[str, float] | None
+    """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`); 0 freezes."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]
@@ -122,8 +122,8 @@ class TrainConfig(Checked):
             self.refuse("min_lr_ratio", "must be in [0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
-        if self.init_layers_lr_scale < 0:
-            self.refuse("init_layers_lr_scale", "must be >= 0")
+        if any(not isinstance(v, (int, float)) or v < 0 for v in (self.lr_scales or {}).values()):
+            self.refuse("lr_scales", "must map parameter-name prefixes to multipliers >= 0")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self.refuse("ema_decay", "must be null or in (0, 1)")
         layers = self.init_layers_from_verifier

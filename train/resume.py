@@ -24,6 +24,7 @@ from train.reporting import METRICS_FILE
 # (besides every loss.* key). max_steps may change: it stops the run, the schedule stays.
 SCHEDULE_KEYS = (
     "lr",
+    "lr_scales",
     "weight_decay",
     "adam_betas",
     "warmup_ratio",
