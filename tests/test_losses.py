@@ -55,6 +55,7 @@ def make_cfg(weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7
         chunk_size=chunk_size,
         anchor_sampling="uniform",
         anchor_pool=None,
+        context_noise=0.0,
     )
 
 

@@ -344,7 +344,14 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
     assert meta["hardware"].startswith("2 x CPU") and meta["train_time_s"] > 0
     drafter = load_drafter(two_rank_run / "drafter")
     exported = trainable_state(drafter)
-    for name, value in final_weights(two_rank_run).items():
+    weights = final_weights(two_rank_run)
+    # the default Markov embedding projection trains as W1 + E·P and is exported folded into W1
+    proj = weights.pop("markov_embed_proj.weight")
+    embed = load_file(world.verifier / "model.safetensors")["model.embed_tokens.weight"]
+    folded = weights.pop("markov_head.markov_w1.weight") + embed @ proj.t()
+    torch.testing.assert_close(exported.pop("markov_head.markov_w1.weight"), folded, rtol=1e-6, atol=1e-6)
+    assert proj.abs().max() > 0 and set(exported) == set(weights)
+    for name, value in weights.items():
         assert torch.equal(exported[name], value), name
 
 
@@ -489,11 +496,22 @@ def test_default_and_seed_recipe_configs_resolve():
     seed = compose_cfg(["+experiment=qwen3-0.6b"])
     assert load_section(TrainConfig, seed, "train").run_dir == "runs/qwen3-0.6b/train/qwen3-0.6b"
     assert (seed.model.num_layers, seed.model.block_size, seed.model.draft_vocab_size) == (5, 4, 32000)
-    assert (seed.model.markov_rank, seed.model.markov_type, seed.model.confidence_head) == (256, "vanilla", True)
+    assert (seed.model.markov_rank, seed.model.markov_type, seed.model.confidence_head) == (512, "vanilla", True)
+    assert seed.model.markov_embed_proj and seed.train.init_norm_from_verifier == "auto"  # the default levers
     assert list(seed.target.aux_layer_ids) == [2, 14, 25]
     assert load_section(LossConfig, seed, "loss").weights == {"tv": 0.9, "kl": 0.3}  # the default loss
-    exact = compose_cfg(["+experiment=qwen3-0.6b", "loss.weights={ce: 0.1, tv: 0.9, kl: 0}"])
+    exact = compose_cfg(
+        [
+            "+experiment=qwen3-0.6b",
+            "loss.weights={ce: 0.1, tv: 0.9, kl: 0}",
+            "train.init_layers_from_verifier=null",
+            "train.init_norm_from_verifier=false",
+            "model.markov_rank=256",
+            "model.markov_embed_proj=false",
+        ]
+    )
     assert load_section(LossConfig, exact, "loss").weights == {"ce": 0.1, "tv": 0.9}  # the seed drafter's
+    assert (exact.model.markov_rank, exact.model.markov_embed_proj) == (256, False)
     assert (seed.train.epochs, seed.train.lr, seed.data.max_samples) == (5, 3e-4, 1200)
 
 

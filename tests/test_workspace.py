@@ -54,6 +54,7 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         chunk_size=chunk_size,
         anchor_sampling="uniform",
         anchor_pool=None,
+        context_noise=0.0,
     )
 
 
