@@ -5,6 +5,7 @@ point or warm start, and finally the model and its trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
@@ -204,6 +205,10 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     if cfg.init_from is not None:
         warm_start(model, cfg.init_from)
 
+    if model.markov_embed_proj is not None:  # its own LR group unless train.lr_scales names it
+        cfg = dataclasses.replace(
+            cfg, lr_scales={"markov_embed_proj": cfg.markov_embed_proj_lr_scale, **(cfg.lr_scales or {})}
+        )
     return DSparkTrainer(
         cfg,
         accelerator,

@@ -60,6 +60,8 @@ class TrainConfig(Checked):
     """Peak learning rate of AdamW."""
     lr_scales: dict[str, float] | None
     """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`); 0 freezes."""
+    markov_embed_proj_lr_scale: float
+    """LR multiplier of the Markov embedding projection P (`model.markov_embed_proj`; `lr_scales` may override)."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]
@@ -122,6 +124,7 @@ class TrainConfig(Checked):
             self.refuse("min_lr_ratio", "must be in [0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
+        self.at_least(0, "markov_embed_proj_lr_scale")
         if any(not isinstance(v, (int, float)) or v < 0 for v in (self.lr_scales or {}).values()):
             self.refuse("lr_scales", "must map parameter-name prefixes to multipliers >= 0")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:

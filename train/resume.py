@@ -25,6 +25,7 @@ from train.reporting import METRICS_FILE
 SCHEDULE_KEYS = (
     "lr",
     "lr_scales",
+    "markov_embed_proj_lr_scale",
     "weight_decay",
     "adam_betas",
     "warmup_ratio",
