@@ -132,7 +132,12 @@ def warm_start(model: DSparkDraft, path: str) -> None:
             )
         if model.d2t is not None:
             check_same_mapping((model.d2t, model.t2d), (other.d2t, other.t2d), names=("this run", path))
-        load_trainable_state(model, trainable_state(other), source)
+        weights = trainable_state(other)
+        # Training-time Markov projections were folded into the drafter's tables: they start at 0 again.
+        for name, p in model.named_parameters():
+            if name.startswith(("markov_embed_proj.", "markov_lm_head_proj.")) and name not in weights:
+                weights[name] = p.detach().clone()
+        load_trainable_state(model, weights, source)
         return
     ckpt = resolve_checkpoint(source)
     if model.d2t is not None:
