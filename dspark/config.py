@@ -173,6 +173,8 @@ class LossConfig(Checked):
     """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
     context_noise: float
     """Training only: Gaussian noise of std `context_noise` × each aux state's RMS added to the context."""
+    hidden_weight: float
+    """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.weights) - set(DISTRIBUTION_TERMS))
@@ -190,7 +192,7 @@ class LossConfig(Checked):
         self.at_least(1, "num_anchors", "chunk_size")
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
         self.at_least(1, "anchor_pool", nullable=True)
-        self.at_least(0, "context_noise")
+        self.at_least(0, "context_noise", "hidden_weight")
 
 
 T_cfg = TypeVar("T_cfg")

@@ -15,6 +15,9 @@ position p+k; m_k = Σ_{v∈D} p_k[v] (1 with the full vocabulary). Terms:
   D and renormalized: it has the gradient of the soft cross-entropy −Σ_{v∈D} p log q, is
   ≥ 0, is 0 at the best reachable q, and is exactly KL(p‖q) with the full vocabulary. This
   renormalization shapes the training signal only; acceptance figures never renormalize.
+- `hidden` (`loss.hidden_weight`): ‖h_k − h̄_k‖² / ‖h̄_k‖², h_k the draft's final hidden state
+  after its norm (what its lm_head reads) and h̄_k the verifier's after its final norm at p+k
+  (what the verifier's lm_head reads to give p_k): a dense target of the whole state p_k comes from.
 - `confidence`: BCE between the confidence head's logit and α_k (detached), the analytic
   acceptance of the Markov-corrected q_k against the honest full-vocabulary target.
 
@@ -48,7 +51,7 @@ class LossOutput:
     loss: Tensor
     """Scalar to backpropagate."""
     terms: dict[str, Tensor]
-    """Each computed term, normalized but not multiplied by its weight (`ce`, `tv`, `kl`, `confidence`)."""
+    """Each computed term, normalized but not multiplied by its weight (`ce`, `tv`, `kl`, `confidence`, `hidden`)."""
     acceptance: AcceptanceStats
     """Per-position acceptance sums and counts of this batch (local to this rank)."""
     alpha: Tensor
@@ -70,6 +73,16 @@ def weight_sum(slot_mask: Tensor, gamma: float) -> Tensor:
     """Σ w_k over the scored slots of `slot_mask [..., B]` (float64): this rank's share of the normalizer."""
     w = position_weights(slot_mask.shape[-1], gamma, slot_mask.device, torch.float64)
     return (slot_mask.to(w.dtype) * w).sum()
+
+
+def hidden_match_sum(hidden: Tensor, target: Tensor, slot_mask: Tensor, gamma: float) -> Tensor:
+    """Σ over scored slots of w_k·‖h − h̄‖² / ‖h̄‖²: hidden [n, B, H] the draft's normed final
+    states, target [n, B, H] the verifier's (a constant), slot_mask [n, B]."""
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    h, t = hidden.to(dtype), target.detach().to(dtype)
+    err = (h - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)
+    w = slot_mask.to(dtype) * position_weights(slot_mask.shape[-1], gamma, hidden.device, dtype)
+    return (err * w).sum()
 
 
 def keep_budget_bytes(device: torch.device) -> int:
@@ -155,6 +168,7 @@ def dspark_loss(
     d2t: Tensor | None = None,
     keep_budget: int | None = None,
     workspace: Workspace | None = None,
+    target_norm_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> LossOutput:
     """The DSpark loss of n blocks of B slots (see the module docstring for the terms).
 
@@ -167,11 +181,18 @@ def dspark_loss(
     `weight_sum` (None: this batch's own, for a single process); `keep_budget` bytes of
     per-chunk gradients kept from forward to backward (None: `keep_budget_bytes`; 0: recompute
     every chunk but the first in backward); `workspace` reused vocabulary-sized buffers
-    (dspark.workspace), passed on to both functions as `workspace=` when given.
+    (dspark.workspace), passed on to both functions as `workspace=` when given;
+    `target_norm_fn(target_hidden) -> [n, B, Ht]` the verifier's final norm (needed for the
+    `hidden` term, i.e. when `cfg.hidden_weight > 0`; `hidden` is then the draft's normed state).
     """
     _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
-    if not cfg.weights and not with_confidence:
-        raise ValueError("loss.weights has no term with a weight > 0 and there is no confidence head: nothing to train")
+    if cfg.hidden_weight > 0 and target_norm_fn is None:
+        raise ValueError("loss.hidden_weight > 0 needs target_norm_fn (the verifier's final norm)")
+    if not cfg.weights and not with_confidence and not cfg.hidden_weight:
+        raise ValueError(
+            "loss.weights has no term with a weight > 0, loss.hidden_weight is 0 and there is no "
+            "confidence head: nothing to train"
+        )
     if d2t is not None:
         ids = draft_target_ids(d2t.reshape(-1))
         if d2t.dim() != 1 or not bool((ids[1:] > ids[:-1]).all()):
@@ -223,6 +244,11 @@ def dspark_loss(
     if with_confidence:
         normalized["confidence"] = confidence_total / norm_
         loss = loss + cfg.confidence_weight * normalized["confidence"]
+    if cfg.hidden_weight > 0:
+        with torch.no_grad():
+            target = target_norm_fn(target_hidden)
+        normalized["hidden"] = hidden_match_sum(hidden, target, slot_mask, cfg.gamma) / norm.to(hidden.dtype)
+        loss = loss + cfg.hidden_weight * normalized["hidden"]
     alpha = torch.cat(alphas)
     return LossOutput(
         loss=loss,
@@ -234,4 +260,12 @@ def dspark_loss(
     )
 
 
-__all__ = ["DISTRIBUTION_TERMS", "LossOutput", "dspark_loss", "keep_budget_bytes", "position_weights", "weight_sum"]
+__all__ = [
+    "DISTRIBUTION_TERMS",
+    "LossOutput",
+    "dspark_loss",
+    "hidden_match_sum",
+    "keep_budget_bytes",
+    "position_weights",
+    "weight_sum",
+]

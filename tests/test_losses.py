@@ -45,7 +45,9 @@ class Verifier(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def make_cfg(weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7, gamma=4.0) -> LossConfig:
+def make_cfg(
+    weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7, gamma=4.0, hidden_weight=0.0
+) -> LossConfig:
     return LossConfig(
         weights=weights if weights is not None else {"ce": 0.1, "tv": 0.9, "kl": 0.3},
         ce_target=ce_target,
@@ -56,6 +58,7 @@ def make_cfg(weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7
         anchor_sampling="uniform",
         anchor_pool=None,
         context_noise=0.0,
+        hidden_weight=hidden_weight,
     )
 
 
@@ -397,3 +400,38 @@ def test_fused_loss_equals_previous_implementation_in_float32(draft_vocab, ce_ta
         torch.testing.assert_close(out.alpha.double(), ref_alpha, rtol=1e-5, atol=1e-6)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-6)
+
+
+def test_hidden_term_matches_naive_loop_and_needs_the_verifier_norm():
+    """`loss.hidden_weight`: + w·Σ_k w_k‖h − norm_v(h̄)‖²/‖norm_v(h̄)‖² / Σ w_k, slot by slot; its
+    gradient on h is the loop's; without the verifier's norm the call is refused."""
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(5)
+    verifier.norm.weight.data.uniform_(0.5, 1.5)  # a norm gain that is not all ones
+    base_cfg, cfg = make_cfg(), make_cfg(hidden_weight=0.7)
+    base = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, base_cfg)
+    out = dspark_loss(
+        lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok)),
+        verifier.logits,
+        hidden,
+        prev,
+        target_hidden,
+        labels,
+        slot_mask,
+        cfg,
+        with_confidence=True,
+        target_norm_fn=verifier.norm,
+    )
+    total, weights = 0.0, 0.0
+    for i, k in slot_mask.nonzero().tolist():
+        w = math.exp(-k / cfg.gamma)
+        t = verifier.norm(target_hidden[i, k])
+        total = total + w * ((hidden[i, k] - t) ** 2).sum() / (t**2).sum()
+        weights += w
+    expected = total / weights
+    assert float(out.terms["hidden"]) == pytest.approx(float(expected.detach()), rel=1e-10)
+    assert float(out.loss - base.loss) == pytest.approx(0.7 * float(expected.detach()), rel=1e-9)
+    (got,) = torch.autograd.grad(out.loss - base.loss, hidden)
+    (want,) = torch.autograd.grad(0.7 * expected, hidden)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="target_norm_fn"):
+        run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)

@@ -66,6 +66,8 @@ class DSparkTrainer(Trainer):
         self.term_names = [t for t in DISTRIBUTION_TERMS if t in loss_cfg.weights]
         if model.confidence_head is not None:
             self.term_names.append("confidence")
+        if loss_cfg.hidden_weight > 0:
+            self.term_names.append("hidden")
 
     # ----- data (runs in the loader workers) -----
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
@@ -155,6 +157,7 @@ class DSparkTrainer(Trainer):
             with_confidence=draft.confidence_head is not None,
             d2t=draft.d2t,
             workspace=self.workspace,
+            target_norm_fn=self.verifier.norm,
         )
 
     def compute_loss(

@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
-BAR_KEYS = ("loss", "ce", "tv", "kl", "confidence")
+BAR_KEYS = ("loss", "ce", "tv", "kl", "confidence", "hidden")
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
