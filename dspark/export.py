@@ -66,7 +66,7 @@ def drafter_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
             "a reduced-vocabulary draft needs load_verifier(...) before export "
             "(its lm_head rows come from the verifier)"
         )
-    skip = model.verifier_owned() | {"markov_embed_proj.weight", "markov_lm_head_proj.weight"}
+    skip = model.verifier_owned() | model.training_only()
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if name not in skip}
     if model.markov_head is not None:  # the training-time projections folded in (no-ops without them)
         tensors["markov_head.markov_w1.weight"] = model.folded_markov_w1().detach().contiguous()

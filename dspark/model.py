@@ -228,6 +228,14 @@ class DSparkDraft(nn.Module):
         """
         return {"embed_tokens.weight"} | ({"lm_head.weight"} if self.d2t is None else set())
 
+    def training_only(self) -> set[str]:
+        """Names of the training-time Markov projections' parameters: the export folds them into W1 / W2."""
+        return {
+            name
+            for name, _ in self.named_parameters()
+            if name.split(".")[0] in ("markov_embed_proj", "markov_lm_head_proj")
+        }
+
     def load_verifier(self, verifier: VerifierHead) -> None:
         """Share the verifier's frozen embedding and lm_head (rows of the draft vocabulary)."""
         if (verifier.vocab_size, verifier.hidden_size) != (self.verifier_vocab_size, self.layer_config.hidden_size):

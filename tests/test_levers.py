@@ -3,26 +3,30 @@ LR multipliers by module, the Markov projections and the context-noise regularis
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 from train_stores import MASK_TOKEN_ID, make_bigram_verifier
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dspark.attention import BlockLayout
-from dspark.config import DraftConfig
+from dspark.config import DraftConfig, load_section
 from dspark.errors import UserError
 from dspark.export import export_drafter, load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
+from train.config import TrainConfig
 from train.dspark_trainer import noisy_context
 from train.trainer import make_optimizer
 
 BLOCK = 4
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +152,9 @@ def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
     a prefix that matches nothing is refused."""
     model = draft(verifier_dir)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    cfg = SimpleNamespace(
-        lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.0, lr_scales={"layers": 0.25, "layers.1": 0.5}
-    )
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        train_cfg = load_section(TrainConfig, compose(config_name="train"), "train")
+    cfg = dataclasses.replace(train_cfg, lr=1e-2, weight_decay=0.0, lr_scales={"layers": 0.25, "layers.1": 0.5})
     groups = make_optimizer(named, cfg).param_groups
     ids = [{id(p) for n, p in named if n.startswith(prefix)} for prefix in ("layers.0.", "layers.1.")]
     assert [g["lr"] for g in groups] == [1e-2, 2.5e-3, 5e-3]

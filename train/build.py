@@ -5,7 +5,6 @@ point or warm start, and finally the model and its trainer.
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
@@ -134,9 +133,8 @@ def warm_start(model: DSparkDraft, path: str) -> None:
             check_same_mapping((model.d2t, model.t2d), (other.d2t, other.t2d), names=("this run", path))
         weights = trainable_state(other)
         # Training-time Markov projections were folded into the drafter's tables: they start at 0 again.
-        for name, p in model.named_parameters():
-            if name.startswith(("markov_embed_proj.", "markov_lm_head_proj.")) and name not in weights:
-                weights[name] = p.detach().clone()
+        params = dict(model.named_parameters())
+        weights.update({name: params[name].detach().clone() for name in model.training_only() - set(weights)})
         load_trainable_state(model, weights, source)
         return
     ckpt = resolve_checkpoint(source)
@@ -210,10 +208,6 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     if cfg.init_from is not None:
         warm_start(model, cfg.init_from)
 
-    if model.markov_embed_proj is not None:  # its own LR group unless train.lr_scales names it
-        cfg = dataclasses.replace(
-            cfg, lr_scales={"markov_embed_proj": cfg.markov_embed_proj_lr_scale, **(cfg.lr_scales or {})}
-        )
     return DSparkTrainer(
         cfg,
         accelerator,

@@ -99,6 +99,11 @@ class TrainConfig(Checked):
     ema_decay: float | None
     """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
 
+    def param_lr_scales(self) -> dict[str, float]:
+        """LR multipliers by parameter-name prefix: the Markov embedding projection's, then
+        `lr_scales` (which may override it); `make_optimizer` groups the parameters by them."""
+        return {"markov_embed_proj": self.markov_embed_proj_lr_scale, **(self.lr_scales or {})}
+
     def __post_init__(self) -> None:
         self.at_least(2, "tokens_per_micro_batch")  # a long sample's windows overlap by one token
         self.at_least(
