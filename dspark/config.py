@@ -175,6 +175,8 @@ class LossConfig(Checked):
     """Training only: Gaussian noise of std `context_noise` × each aux state's RMS added to the context."""
     hidden_weight: float
     """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
+    hidden_slots: int | None
+    """Leading slots of each block the `hidden` term scores (null = all); later slots' targets depend on tokens the draft does not see."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.weights) - set(DISTRIBUTION_TERMS))
@@ -193,6 +195,7 @@ class LossConfig(Checked):
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
         self.at_least(1, "anchor_pool", nullable=True)
         self.at_least(0, "context_noise", "hidden_weight")
+        self.at_least(1, "hidden_slots", nullable=True)
 
 
 T_cfg = TypeVar("T_cfg")

@@ -247,7 +247,9 @@ def dspark_loss(
     if cfg.hidden_weight > 0:
         with torch.no_grad():
             target = target_norm_fn(target_hidden)
-        normalized["hidden"] = hidden_match_sum(hidden, target, slot_mask, cfg.gamma) / norm.to(hidden.dtype)
+        first = torch.arange(block_size, device=slot_mask.device) < (cfg.hidden_slots or block_size)
+        scored = slot_mask & first  # later slots' states depend on tokens the draft does not see
+        normalized["hidden"] = hidden_match_sum(hidden, target, scored, cfg.gamma) / norm.to(hidden.dtype)
         loss = loss + cfg.hidden_weight * normalized["hidden"]
     alpha = torch.cat(alphas)
     return LossOutput(

@@ -46,7 +46,7 @@ class Verifier(nn.Module):
 
 
 def make_cfg(
-    weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7, gamma=4.0, hidden_weight=0.0
+    weights=None, ce_target="data", chunk_size=4, confidence_weight=0.7, gamma=4.0, hidden_weight=0.0, hidden_slots=None
 ) -> LossConfig:
     return LossConfig(
         weights=weights if weights is not None else {"ce": 0.1, "tv": 0.9, "kl": 0.3},
@@ -59,6 +59,7 @@ def make_cfg(
         anchor_pool=None,
         context_noise=0.0,
         hidden_weight=hidden_weight,
+        hidden_slots=hidden_slots,
     )
 
 
@@ -435,3 +436,21 @@ def test_hidden_term_matches_naive_loop_and_needs_the_verifier_norm():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="target_norm_fn"):
         run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
+    # loss.hidden_slots=1: only each block's first slot is matched (the normalizer stays every slot's)
+    first = dspark_loss(
+        lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok)),
+        verifier.logits,
+        hidden,
+        prev,
+        target_hidden,
+        labels,
+        slot_mask,
+        make_cfg(hidden_weight=0.7, hidden_slots=1),
+        with_confidence=True,
+        target_norm_fn=verifier.norm,
+    )
+    total = 0.0
+    for i in slot_mask[:, 0].nonzero().flatten().tolist():
+        t = verifier.norm(target_hidden[i, 0])
+        total = total + ((hidden[i, 0] - t) ** 2).sum() / (t**2).sum()
+    assert float(first.terms["hidden"]) == pytest.approx(float(total.detach()) / weights, rel=1e-10)

@@ -56,6 +56,7 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         anchor_pool=None,
         context_noise=0.0,
         hidden_weight=0.0,
+        hidden_slots=None,
     )
 
 
