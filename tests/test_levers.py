@@ -169,6 +169,12 @@ def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
     opt.step()
     for n, p in named:
         assert torch.equal(p, before[n]) == n.startswith("layers."), n
+    cfg.lr_scales = {"layers.*.mlp": 0.0, "layers.1.mlp.up_proj": 2.0}  # `*`: any one component
+    groups = make_optimizer(named, cfg).param_groups
+    mlp = {id(p) for n, p in named if n.split(".")[0] == "layers" and n.split(".")[2] == "mlp"}
+    up = {id(p) for n, p in named if n.startswith("layers.1.mlp.up_proj.")}
+    assert [g["lr"] for g in groups] == [1e-2, 0.0, 2e-2]
+    assert [{id(p) for p in g["params"]} for g in groups[1:]] == [mlp - up, up] and len(mlp) > len(up) > 0
     cfg.lr_scales = {"layer": 0.5}  # a prefix is a module path, not a string prefix
     with pytest.raises(UserError, match=r"train.lr_scales: \['layer'\] match no trainable parameter"):
         make_optimizer(named, cfg)
