@@ -97,6 +97,7 @@ def run_loss(
     norm=None,
     confidence=True,
     keep_budget=None,
+    norm_fn=None,
 ):
     return dspark_loss(
         lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok) if confidence else None),
@@ -111,6 +112,7 @@ def run_loss(
         with_confidence=confidence,
         d2t=d2t,
         keep_budget=keep_budget,
+        target_norm_fn=norm_fn,
     )
 
 
@@ -410,18 +412,13 @@ def test_hidden_term_matches_naive_loop_and_needs_the_verifier_norm():
     verifier.norm.weight.data.uniform_(0.5, 1.5)  # a norm gain that is not all ones
     base_cfg, cfg = make_cfg(), make_cfg(hidden_weight=0.7)
     base = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, base_cfg)
-    out = dspark_loss(
-        lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok)),
-        verifier.logits,
-        hidden,
-        prev,
-        target_hidden,
-        labels,
-        slot_mask,
-        cfg,
-        with_confidence=True,
-        target_norm_fn=verifier.norm,
-    )
+
+    def with_hidden(cfg):
+        return run_loss(
+            heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm_fn=verifier.norm
+        )
+
+    out = with_hidden(cfg)
     total, weights = 0.0, 0.0
     for i, k in slot_mask.nonzero().tolist():
         w = math.exp(-k / cfg.gamma)
@@ -437,18 +434,7 @@ def test_hidden_term_matches_naive_loop_and_needs_the_verifier_norm():
     with pytest.raises(ValueError, match="target_norm_fn"):
         run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg)
     # loss.hidden_slots=1: only each block's first slot is matched (the normalizer stays every slot's)
-    first = dspark_loss(
-        lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok)),
-        verifier.logits,
-        hidden,
-        prev,
-        target_hidden,
-        labels,
-        slot_mask,
-        make_cfg(hidden_weight=0.7, hidden_slots=1),
-        with_confidence=True,
-        target_norm_fn=verifier.norm,
-    )
+    first = with_hidden(make_cfg(hidden_weight=0.7, hidden_slots=1))
     total = 0.0
     for i in slot_mask[:, 0].nonzero().flatten().tolist():
         t = verifier.norm(target_hidden[i, 0])
