@@ -22,7 +22,6 @@ ATTN_IMPLS = ("sdpa", "flex")
 DISTRIBUTION_TERMS = ("ce", "tv", "kl")
 CE_TARGETS = ("data", "argmax")
 ANCHOR_SAMPLING = ("uniform", "confident", "all")
-HIDDEN_METRICS = ("euclidean", "logits")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -178,8 +177,6 @@ class LossConfig(Checked):
     """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
     hidden_slots: int | None
     """Leading slots of each block the `hidden` term scores (null = all); later slots' targets depend on tokens the draft does not see."""
-    hidden_metric: str
-    """`hidden` term's metric: `euclidean` or `logits` (the mean squared change of the centred draft-vocabulary logits)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.weights) - set(DISTRIBUTION_TERMS))
@@ -199,7 +196,6 @@ class LossConfig(Checked):
         self.at_least(1, "anchor_pool", nullable=True)
         self.at_least(0, "context_noise", "hidden_weight")
         self.at_least(1, "hidden_slots", nullable=True)
-        self.one_of("hidden_metric", HIDDEN_METRICS)
 
 
 T_cfg = TypeVar("T_cfg")

@@ -75,28 +75,12 @@ def weight_sum(slot_mask: Tensor, gamma: float) -> Tensor:
     return (slot_mask.to(w.dtype) * w).sum()
 
 
-def logit_metric(lm_head: Tensor) -> Tensor:
-    """[H, H] M = W_cᵀ W_c / V for lm_head rows W [V, H] centred over V: dᵀ M d is the mean square
-    of the logit change a state change d makes, less its mean (the shift softmax ignores)."""
-    w = lm_head.detach().to(torch.promote_types(lm_head.dtype, torch.float32))
-    w = w - w.mean(0)
-    return w.T @ w / w.shape[0]
-
-
-def hidden_match_sum(
-    hidden: Tensor, target: Tensor, slot_mask: Tensor, gamma: float, metric: Tensor | None = None
-) -> Tensor:
+def hidden_match_sum(hidden: Tensor, target: Tensor, slot_mask: Tensor, gamma: float) -> Tensor:
     """Σ over scored slots of w_k·‖h − h̄‖² / ‖h̄‖²: hidden [n, B, H] the draft's normed final
-    states, target [n, B, H] the verifier's (a constant), slot_mask [n, B]; `metric` [H, H]
-    measures ‖x‖² as xᵀ M x (None: the identity)."""
+    states, target [n, B, H] the verifier's (a constant), slot_mask [n, B]."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     h, t = hidden.to(dtype), target.detach().to(dtype)
-    m = None if metric is None else metric.to(dtype)
-
-    def sq(x: Tensor) -> Tensor:
-        return x.pow(2).sum(-1) if m is None else ((x @ m) * x).sum(-1)
-
-    err = sq(h - t) / sq(t).clamp_min(1e-12)
+    err = (h - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)
     w = slot_mask.to(dtype) * position_weights(slot_mask.shape[-1], gamma, hidden.device, dtype)
     return (err * w).sum()
 
@@ -185,7 +169,6 @@ def dspark_loss(
     keep_budget: int | None = None,
     workspace: Workspace | None = None,
     target_norm_fn: Callable[[Tensor], Tensor] | None = None,
-    hidden_metric: Tensor | None = None,
 ) -> LossOutput:
     """The DSpark loss of n blocks of B slots (see the module docstring for the terms).
 
@@ -200,8 +183,7 @@ def dspark_loss(
     every chunk but the first in backward); `workspace` reused vocabulary-sized buffers
     (dspark.workspace), passed on to both functions as `workspace=` when given;
     `target_norm_fn(target_hidden) -> [n, B, Ht]` the verifier's final norm (needed for the
-    `hidden` term, i.e. when `cfg.hidden_weight > 0`; `hidden` is then the draft's normed state);
-    `hidden_metric [H, H]` the term's metric (`logit_metric`; None: euclidean).
+    `hidden` term, i.e. when `cfg.hidden_weight > 0`; `hidden` is then the draft's normed state).
     """
     _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
     if cfg.hidden_weight > 0 and target_norm_fn is None:
@@ -267,9 +249,7 @@ def dspark_loss(
             target = target_norm_fn(target_hidden)
         first = torch.arange(block_size, device=slot_mask.device) < (cfg.hidden_slots or block_size)
         scored = slot_mask & first  # later slots' states depend on tokens the draft does not see
-        normalized["hidden"] = hidden_match_sum(hidden, target, scored, cfg.gamma, hidden_metric) / norm.to(
-            hidden.dtype
-        )
+        normalized["hidden"] = hidden_match_sum(hidden, target, scored, cfg.gamma) / norm.to(hidden.dtype)
         loss = loss + cfg.hidden_weight * normalized["hidden"]
     alpha = torch.cat(alphas)
     return LossOutput(
@@ -287,7 +267,6 @@ __all__ = [
     "LossOutput",
     "dspark_loss",
     "hidden_match_sum",
-    "logit_metric",
     "keep_budget_bytes",
     "position_weights",
     "weight_sum",

@@ -63,7 +63,6 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "loss.context_noise=-0.1", "loss", "loss.context_noise must be >= 0"),
         ("train", "loss.hidden_weight=-1", "loss", "loss.hidden_weight must be >= 0"),
         ("train", "loss.hidden_slots=0", "loss", "loss.hidden_slots must be null or >= 1"),
-        ("train", "loss.hidden_metric=cosine", "loss", "loss.hidden_metric must be one of"),
         ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),
         ("train", "train.epochs=many", "train", "train.epochs: Value 'many'"),
         ("train", "model.block_size=0", "model", "model.block_size must be >= 1, got 0"),

@@ -57,7 +57,6 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         context_noise=0.0,
         hidden_weight=0.0,
         hidden_slots=None,
-        hidden_metric="euclidean",
     )
 
 

@@ -12,7 +12,7 @@ from dspark.anchors import sample_anchors, slot_targets, train_anchors
 from dspark.config import LossConfig
 from dspark.errors import UserError
 from dspark.export import export_drafter
-from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, logit_metric, weight_sum
+from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, weight_sum
 from dspark.metrics import AcceptanceStats
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
@@ -68,8 +68,6 @@ class DSparkTrainer(Trainer):
             self.term_names.append("confidence")
         if loss_cfg.hidden_weight > 0:
             self.term_names.append("hidden")
-        lm_head = self.raw_model.lm_head.weight
-        self.hidden_metric = logit_metric(lm_head) if loss_cfg.hidden_metric == "logits" else None
 
     # ----- data (runs in the loader workers) -----
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
@@ -160,7 +158,6 @@ class DSparkTrainer(Trainer):
             d2t=draft.d2t,
             workspace=self.workspace,
             target_norm_fn=self.verifier.norm,
-            hidden_metric=self.hidden_metric,
         )
 
     def compute_loss(
