@@ -60,8 +60,6 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "train.init_fc_from_last_aux=maybe", "train", "train.init_fc_from_last_aux must be true, false"),
         ("train", "train.init_norm_from_verifier=yes", "train", "train.init_norm_from_verifier must be true, false"),
         ("train", "train.lr_scales={layers: -0.5}", "train", "train.lr_scales must map parameter-name prefixes"),
-        ("train", "train.copied_layer_lr_scales={mlp: -1}", "train", "train.copied_layer_lr_scales must map"),
-        ("train", "++train.copied_layer_lr_scales.mpl=0", "train", "copied_layer_lr_scales has ['mpl']: parts of"),
         ("train", "loss.context_noise=-0.1", "loss", "loss.context_noise must be >= 0"),
         ("train", "loss.hidden_weight=-1", "loss", "loss.hidden_weight must be >= 0"),
         ("train", "loss.hidden_slots=0", "loss", "loss.hidden_slots must be null or >= 1"),

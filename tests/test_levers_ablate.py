@@ -157,10 +157,8 @@ def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
         "train.max_steps=4",
         "train.ema_decay=0.9",
         f"train.run_dir={tmp_path / 'run'}",
-        # one param group (no projection, no frozen copied MLPs), and export tensors named as
-        # trained (the projection's fold is tested in test_levers)
+        # one param group, and export tensors named as trained (the projection's fold is tested in test_levers)
         "model.markov_embed_proj=false",
-        "train.init_layers_from_verifier=null",
     ]
     with initialize_config_dir(config_dir=str(ablate.REPO / "conf"), version_base=None):
         run(compose("train", overrides=args))

@@ -5,7 +5,6 @@ point or warm start, and finally the model and its trainer.
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
@@ -208,7 +207,6 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         init_from_verifier(model, target_dir, layers, fc, norm)
     if cfg.init_from is not None:
         warm_start(model, cfg.init_from)
-    cfg = dataclasses.replace(cfg, init_layers_from_verifier=layers)  # resolved: the optimizer's groups use it
 
     return DSparkTrainer(
         cfg,

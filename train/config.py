@@ -9,7 +9,6 @@ from dspark.config import Checked
 
 RESUME_MODES = ("auto", "never", "must", "restart")
 MIXED_PRECISION = ("auto", "bf16", "no")
-LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # a draft layer's modules
 
 
 @dataclass
@@ -63,8 +62,6 @@ class TrainConfig(Checked):
     """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`); 0 freezes."""
     markov_embed_proj_lr_scale: float
     """LR multiplier of the Markov embedding projection P (`model.markov_embed_proj`; `lr_scales` may override)."""
-    copied_layer_lr_scales: dict[str, float]
-    """LR multipliers of the parts (`mlp`, `self_attn`, ...) of draft layers copied from the verifier (0 = frozen; `lr_scales` may override)."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]
@@ -103,13 +100,9 @@ class TrainConfig(Checked):
     """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
 
     def param_lr_scales(self) -> dict[str, float]:
-        """LR multipliers by parameter-name prefix: the Markov embedding projection's, the copied
-        layers' MLPs' (once `init_layers_from_verifier` is resolved to ids), then `lr_scales` (which
-        may override both); `make_optimizer` groups the parameters by them."""
-        scales = {"markov_embed_proj": self.markov_embed_proj_lr_scale}
-        if isinstance(self.init_layers_from_verifier, list):
-            scales |= {f"layers.*.{part}": scale for part, scale in self.copied_layer_lr_scales.items()}
-        return {**scales, **(self.lr_scales or {})}
+        """LR multipliers by parameter-name prefix: the Markov embedding projection's, then
+        `lr_scales` (which may override it); `make_optimizer` groups the parameters by them."""
+        return {"markov_embed_proj": self.markov_embed_proj_lr_scale, **(self.lr_scales or {})}
 
     def __post_init__(self) -> None:
         self.at_least(2, "tokens_per_micro_batch")  # a long sample's windows overlap by one token
@@ -137,12 +130,8 @@ class TrainConfig(Checked):
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
         self.at_least(0, "markov_embed_proj_lr_scale")
-        for key in ("lr_scales", "copied_layer_lr_scales"):
-            if any(not isinstance(v, (int, float)) or v < 0 for v in (getattr(self, key) or {}).values()):
-                self.refuse(key, "must map parameter-name prefixes to multipliers >= 0")
-        unknown = sorted(p for p in self.copied_layer_lr_scales if p.split(".")[0] not in LAYER_PARTS)
-        if unknown:
-            self.refuse("copied_layer_lr_scales", f"has {unknown}: parts of a draft layer are {list(LAYER_PARTS)}")
+        if any(not isinstance(v, (int, float)) or v < 0 for v in (self.lr_scales or {}).values()):
+            self.refuse("lr_scales", "must map parameter-name prefixes to multipliers >= 0")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self.refuse("ema_decay", "must be null or in (0, 1)")
         layers = self.init_layers_from_verifier
