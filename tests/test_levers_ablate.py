@@ -138,6 +138,9 @@ def test_two_variants_make_one_table(tiny_world, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "runs" / "levers" / "x1_s0" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if r["split"] == "eval"][-1]
     assert final["tau"] == pytest.approx(table["levers"]["tau"]["mean"], rel=1e-4)
+    # a scored run keeps its drafter, not its checkpoints
+    assert (tmp_path / "runs" / "levers" / "x1_s0" / "drafter").is_dir()
+    assert not (tmp_path / "runs" / "levers" / "x1_s0" / "checkpoints").exists()
     # a finished run is reused, not retrained
     stamp = (tmp_path / "runs" / "baseline" / "x1_s0" / "ablate.json").stat().st_mtime
     ablate.main([f"config={tmp_path / 'ablate.yaml'}", f"out={tmp_path / 'out'}", "only=baseline"])
