@@ -150,7 +150,18 @@ def summarize(runs: list[dict], blocks: dict, untrained: dict, reference: str) -
 # ----- runs -----
 def load_config(path: Path) -> dict:
     cfg = yaml.safe_load(path.read_text())
-    need = {"launcher", "runs_dir", "common", "steps", "budgets", "seeds", "eval", "reference", "variants"}
+    need = {
+        "launcher",
+        "runs_dir",
+        "keep_checkpoints",
+        "common",
+        "steps",
+        "budgets",
+        "seeds",
+        "eval",
+        "reference",
+        "variants",
+    }
     missing = sorted(need - set(cfg or {}))
     if missing:
         raise SystemExit(f"{path}: missing keys {missing}")
@@ -301,7 +312,7 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     }
     blocks.save(blocks_path)
     record_path.write_text(json.dumps(record, indent=2))
-    if not cfg.get("keep_checkpoints", False):  # a scored run never resumes; its drafter stays
+    if not cfg["keep_checkpoints"]:  # a scored run never resumes; its drafter stays
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return record, blocks
 

@@ -103,6 +103,7 @@ def test_two_variants_make_one_table(tiny_world, tmp_path):
     cfg = {
         "launcher": ["python", "-m", "train"],
         "runs_dir": str(tmp_path / "runs"),
+        "keep_checkpoints": False,
         "common": common,
         "steps": 3,
         "budgets": [1],
@@ -182,6 +183,7 @@ def test_a_variant_can_build_on_another(tmp_path):
     cfg = {
         "launcher": ["python", "-m", "train"],
         "runs_dir": "runs",
+        "keep_checkpoints": False,
         "common": [],
         "steps": 1,
         "budgets": [1],
