@@ -177,6 +177,8 @@ class LossConfig(Checked):
     """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
     hidden_slots: int | None
     """Leading slots of each block the `hidden` term scores (null = all); later slots' targets depend on tokens the draft does not see."""
+    train_on_prompt: bool
+    """Training only: anchors and scored slots on every token (the prompts' too: their targets are the verifier's distributions there), not only the replies'."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.weights) - set(DISTRIBUTION_TERMS))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -225,3 +227,40 @@ def test_markov_projections_are_folded_into_the_tables_at_export(verifier_dir, t
     # the projections are part of what the draft computes (the comparisons above can fail)
     table_only = model.lm_head(hidden) + head.markov_w2(head.markov_w1(prev))
     assert not torch.allclose(table_only, ours, atol=1e-3)
+
+
+def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
+    """loss.train_on_prompt: training anchors and scored slots may lie on a sample's prompt
+    (loss_mask 0) but never on padding; held-out anchors stay on the replies either way."""
+    from dspark.store import Sample
+    from train.data import collate
+    from train.dspark_trainer import DSparkTrainer
+
+    def sample(sample_id: int, n: int) -> Sample:
+        mask = np.zeros(n, np.uint8)
+        mask[12:] = 1  # a 12-token prompt, then the reply
+        return Sample(sample_id, np.arange(n, dtype=np.int32), mask, np.zeros((n, 2, 8), np.uint16))
+
+    batch = collate([sample(0, 40), sample(1, 30)], [0, 0])  # the second row is padded to 40
+    real = torch.arange(40) < torch.tensor([[40], [30]])
+    assert torch.equal(batch["token_mask"], real)
+    for train_on_prompt in (False, True):
+        trainer = DSparkTrainer.__new__(DSparkTrainer)  # prepare_batch reads only these fields
+        trainer.block_size = BLOCK
+        trainer.cfg = SimpleNamespace(seed=0, eval_num_anchors=64)
+        trainer.loss_cfg = SimpleNamespace(
+            num_anchors=64, anchor_sampling="uniform", anchor_pool=None, context_noise=0.0,
+            gamma=4.0, train_on_prompt=train_on_prompt,
+        )  # fmt: skip
+        for train in (True, False):
+            out = trainer.prepare_batch(batch, epoch=0, train=train)
+            on = out["anchor_valid"]
+            anchors = out["anchors"][on]
+            # every candidate is drawn (64 > candidates): p and p+1 both allowed tokens
+            allowed = real if train and train_on_prompt else batch["loss_mask"]
+            expected = int((allowed[:, :-1] & allowed[:, 1:]).sum())
+            assert on.sum() == expected
+            assert (anchors < 12).any() == (train and train_on_prompt)
+            label_pos = (out["target_pos"] + 1)[out["slot_mask"]]
+            rows = torch.arange(2)[:, None, None].expand_as(out["slot_mask"])[out["slot_mask"]]
+            assert allowed[rows, label_pos].all()  # no scored slot on padding (or on a prompt, unless asked)

@@ -60,6 +60,7 @@ def make_cfg(
         context_noise=0.0,
         hidden_weight=hidden_weight,
         hidden_slots=hidden_slots,
+        train_on_prompt=False,
     )
 
 

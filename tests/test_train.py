@@ -176,6 +176,15 @@ def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
     # whose only sample has no trainable position (zero valid anchors) while the other trains.
     split = ddp_split(world)
     assert split.counts == {"samples": 64, "long_samples": 3, "windows": 8, "windows_left_out": 1}
+    # loss.train_on_prompt: every token can be scored, so the window left out comes back
+    store, width = ShardStore.open(world.train_store), DDP_TRAIN["train.tokens_per_micro_batch"]
+    every = StoreSplit.open(store, str(world.train_store), width, every_token=True)
+    assert every.counts == {"samples": 64, "long_samples": 3, "windows": 9, "windows_left_out": 0}
+
+    def windows(s: StoreSplit) -> set[tuple[int, int]]:
+        return {(ref.sample_id, int(o)) for ref, o in zip(s.refs, s.offsets, strict=True)}
+
+    assert windows(split) < windows(every) and len(windows(every) - windows(split)) == 1
     untrained = {i for i, ref in enumerate(split.refs) if not world.train_samples[ref.sample_id][1].any()}
     planner = StepPlanner(
         split.lengths, DDP_TRAIN["train.tokens_per_step"], DDP_TRAIN["train.tokens_per_micro_batch"], 0

@@ -57,6 +57,7 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         context_noise=0.0,
         hidden_weight=0.0,
         hidden_slots=None,
+        train_on_prompt=False,
     )
 
 

@@ -76,9 +76,11 @@ def open_store(url: str, field: str, target: Target) -> ShardStore:
     return store
 
 
-def open_split(url: str, field: str, target: Target, max_tokens: int, max_samples: int | None = None) -> StoreSplit:
+def open_split(
+    url: str, field: str, target: Target, max_tokens: int, max_samples: int | None = None, every_token: bool = False
+) -> StoreSplit:
     store = open_store(url, field, target)
-    split = StoreSplit.open(store, url, max_tokens, max_samples)
+    split = StoreSplit.open(store, url, max_tokens, max_samples, every_token)
     if not split.refs:
         raise ValueError(f"train.{field}={url} has no committed samples: nothing to train or evaluate on")
     return split
@@ -174,7 +176,9 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     target = resolve_target(target_cfg, dataset_target(OmegaConf.select(full_cfg, "paths.data_dir")))
     accelerator.print(target.describe())
     target_dir = target.model_dir
-    train_split = open_split(cfg.train_store, "train_store", target, cfg.tokens_per_micro_batch)
+    train_split = open_split(
+        cfg.train_store, "train_store", target, cfg.tokens_per_micro_batch, every_token=loss_cfg.train_on_prompt
+    )
     eval_split = None
     if cfg.eval_store is not None:
         eval_split = open_split(cfg.eval_store, "eval_store", target, cfg.tokens_per_micro_batch, cfg.eval_max_samples)

@@ -62,8 +62,11 @@ class StoreSplit:
     counts: dict[str, int]
 
     @classmethod
-    def open(cls, store: ShardStore, url: str, max_tokens: int, max_samples: int | None = None) -> StoreSplit:
-        """Index the store; the loss masks of samples longer than `max_tokens` are read to place their windows."""
+    def open(
+        cls, store: ShardStore, url: str, max_tokens: int, max_samples: int | None = None, every_token: bool = False
+    ) -> StoreSplit:
+        """Index the store; the loss masks of samples longer than `max_tokens` are read to place their windows
+        (`every_token`: every token counts as trained, as with `loss.train_on_prompt`, so no window is left out)."""
         samples = sorted(store.index(), key=lambda r: r.sample_id)
         if max_samples is not None:
             samples = samples[:max_samples]
@@ -74,7 +77,8 @@ class StoreSplit:
                 refs.append(ref)
                 offsets.append(0)
                 continue
-            found = windows_of(store.read_loss_mask(ref), max_tokens)
+            mask = store.read_loss_mask(ref)
+            found = windows_of(np.ones_like(mask) if every_token else mask, max_tokens)
             counts["long_samples"] += 1
             counts["windows"] += len(found)
             counts["windows_left_out"] += len(range(0, ref.n_tokens - 1, max_tokens - 1)) - len(found)
@@ -102,21 +106,24 @@ class StoreSplit:
 def collate(samples: list[Sample], offsets: list[int]) -> Batch:
     """Right-pad samples (windows starting at `offsets` of their samples) into one micro-batch.
 
-    Padding has loss_mask 0, so it is never scored.
+    Padding has loss_mask 0 and token_mask 0 (token_mask: the real tokens), so it is never scored.
     """
     lengths = [len(s.token_ids) for s in samples]
     width = max(lengths)
     num_layers, hidden_size = samples[0].hidden.shape[1:]
     token_ids = torch.zeros(len(samples), width, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    token_mask = torch.zeros(len(samples), width, dtype=torch.bool)
     hidden = torch.zeros(len(samples), width, num_layers, hidden_size, dtype=torch.bfloat16)
     for row, (sample, n) in enumerate(zip(samples, lengths, strict=True)):
         token_ids[row, :n] = torch.from_numpy(sample.token_ids.astype(np.int64))
         loss_mask[row, :n] = torch.from_numpy(sample.loss_mask.astype(bool))
+        token_mask[row, :n] = True
         hidden[row, :n] = bits_to_tensor(sample.hidden)
     return {
         "token_ids": token_ids,
         "loss_mask": loss_mask,
+        "token_mask": token_mask,
         "context": hidden[:, :, :-1].flatten(2),
         "target_hidden": hidden[:, :, -1],
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.long),

@@ -73,12 +73,15 @@ class DSparkTrainer(Trainer):
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
         """Anchors (resampled each epoch, one generator per window) and each slot's targets."""
         num = self.loss_cfg.num_anchors if train else self.cfg.eval_num_anchors
+        # Which tokens anchors and scored slots may lie on: the replies' (loss_mask), or in
+        # training with loss.train_on_prompt every real token, the prompts' too.
+        trained = batch["token_mask"] if train and self.loss_cfg.train_on_prompt else batch["loss_mask"]
         rows, rows_seeds = [], []
         windows = zip(batch["sample_ids"].tolist(), batch["window_starts"].tolist(), strict=True)
         for row, (sample_id, start) in enumerate(windows):
             rows_seeds.append(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
             gen = torch.Generator().manual_seed(rows_seeds[-1])  # anchors; the context noise takes seed + 1
-            mask = batch["loss_mask"][row : row + 1]
+            mask = trained[row : row + 1]
             if not train:  # held-out anchors stay uniform: the metric does not move with the lever
                 rows.append(sample_anchors(mask, num, gen))
                 continue
@@ -102,9 +105,7 @@ class DSparkTrainer(Trainer):
             hidden = self.raw_model.layer_config.hidden_size
             noisy = noisy_context(batch["context"], hidden, self.loss_cfg.context_noise, [s + 1 for s in rows_seeds])
             batch = {**batch, "context": noisy}
-        labels, target_pos, slot_mask = slot_targets(
-            batch["token_ids"], batch["loss_mask"], anchors, valid, self.block_size
-        )
+        labels, target_pos, slot_mask = slot_targets(batch["token_ids"], trained, anchors, valid, self.block_size)
         return {
             **batch,
             "anchors": anchors,
@@ -127,6 +128,7 @@ class DSparkTrainer(Trainer):
         batch = {
             "token_ids": torch.zeros(1, 2, dtype=torch.long),
             "loss_mask": torch.zeros(1, 2, dtype=torch.bool),
+            "token_mask": torch.zeros(1, 2, dtype=torch.bool),
             "context": torch.zeros(1, 2, width, dtype=torch.bfloat16),
             "target_hidden": torch.zeros(1, 2, model.layer_config.hidden_size, dtype=torch.bfloat16),
             "sample_ids": torch.zeros(1, dtype=torch.long),  # any id: nothing to sample from
