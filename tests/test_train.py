@@ -73,6 +73,7 @@ DDP_TRAIN = {
     "train.save_every": 5,
     "train.eval_every": 10,
     "train.keep_last": 2,
+    "loss.train_on_prompt": "false",  # keep the plan's awkward steps: a sample with nothing to train
 }
 
 
