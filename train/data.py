@@ -66,7 +66,8 @@ class StoreSplit:
         cls, store: ShardStore, url: str, max_tokens: int, max_samples: int | None = None, every_token: bool = False
     ) -> StoreSplit:
         """Index the store; the loss masks of samples longer than `max_tokens` are read to place their windows
-        (`every_token`: every token counts as trained, as with `loss.train_on_prompt`, so no window is left out)."""
+        (`every_token`: every token counts as trained, as with `loss.train_on_prompt`: no mask is read and no
+        window is left out)."""
         samples = sorted(store.index(), key=lambda r: r.sample_id)
         if max_samples is not None:
             samples = samples[:max_samples]
@@ -77,8 +78,8 @@ class StoreSplit:
                 refs.append(ref)
                 offsets.append(0)
                 continue
-            mask = store.read_loss_mask(ref)
-            found = windows_of(np.ones_like(mask) if every_token else mask, max_tokens)
+            mask = np.ones(ref.n_tokens, np.uint8) if every_token else store.read_loss_mask(ref)
+            found = windows_of(mask, max_tokens)
             counts["long_samples"] += 1
             counts["windows"] += len(found)
             counts["windows_left_out"] += len(range(0, ref.n_tokens - 1, max_tokens - 1)) - len(found)
