@@ -199,10 +199,29 @@ def test_no_heading_level_is_skipped(path):
     assert not skips, f"{path.name}: heading levels jump {skips}"
 
 
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lowercased, punctuation dropped, spaces as -)."""
+    titles = re.findall(r"^#{1,6} (.+)$", FENCE.sub("", text), re.M)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-") for title in titles}
+
+
+def test_heading_anchors_are_githubs():
+    assert heading_anchors("# Any verifier: `target=auto`\n## FP8 states\n") == {
+        "any-verifier-targetauto",
+        "fp8-states",
+    }
+
+
 def test_readme_links_every_doc_and_every_link_resolves():
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", FENCE.sub("", README.read_text()))
-    local = {link for link in links if "://" not in link}
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)]*))?\)", FENCE.sub("", README.read_text()))
+    local = {link for link, _ in links if "://" not in link}
     missing = sorted(link for link in local if not (REPO / link).exists())
     assert not missing, f"README.md links to files that do not exist: {missing}"
+    dangling = [
+        f"{link}#{anchor}"
+        for link, anchor in links
+        if anchor and link in local and anchor not in heading_anchors((REPO / link).read_text())
+    ]
+    assert not dangling, f"README.md links to headings that do not exist: {dangling}"
     docs = {str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")}
     assert not docs - local, f"docs not linked from README.md: {sorted(docs - local)}"
