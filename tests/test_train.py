@@ -514,20 +514,12 @@ def test_default_and_seed_recipe_configs_resolve():
     assert list(seed.target.aux_layer_ids) == [2, 14, 25]
     assert load_section(LossConfig, seed, "loss").weights == {"tv": 0.9, "kl": 0.3}  # the default loss
     assert seed.loss.hidden_weight > 0
-    exact = compose_cfg(
-        [
-            "+experiment=qwen3-0.6b",
-            "loss.weights={ce: 0.1, tv: 0.9, kl: 0}",
-            "loss.hidden_weight=0",
-            "train.init_layers_from_verifier=null",
-            "train.init_norm_from_verifier=false",
-            "model.markov_rank=256",
-            "model.markov_embed_proj=false",
-        ]
-    )
+    exact = compose_cfg(["+experiment=qwen3-0.6b", "+recipe=published"])
+    assert exact == compose_cfg(["+recipe=published", "+experiment=qwen3-0.6b"])  # in either order
     assert load_section(LossConfig, exact, "loss").weights == {"ce": 0.1, "tv": 0.9}  # the seed drafter's
     assert exact.loss.hidden_weight == 0
     assert (exact.model.markov_rank, exact.model.markov_embed_proj) == (256, False)
+    assert (exact.train.init_layers_from_verifier, exact.loss.train_on_prompt) == (None, False)
     assert (seed.train.epochs, seed.train.lr, seed.data.max_samples) == (5, 3e-4, 1200)
 
 
