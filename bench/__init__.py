@@ -4,11 +4,18 @@ import json
 from importlib.util import find_spec
 from pathlib import Path
 
+from dspark.store.files import LocalFiles
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` (temp file, fsync, rename): a reader or a rerun sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    LocalFiles(path.parent).replace_atomically(path.name, data)
+
 
 def write_figures(out_dir: Path, name: str, figures: dict) -> dict:
-    """Write `figures` to `out_dir/<name>.json` and return them."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(figures, indent=2))
+    """Write `figures` to `out_dir/<name>.json` (atomically) and return them."""
+    write_atomically(out_dir / f"{name}.json", json.dumps(figures, indent=2).encode())
     return figures
 
 

@@ -1,9 +1,11 @@
-"""bench.ablate: the standard errors against a hand computation, and a 2-variant run on a tiny store."""
+"""bench.ablate: clustered standard errors against naive computations, the variant file, and
+runs of bench/ablate_tiny.yaml on a tiny store (records, reuse, re-scoring, retraining)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -19,51 +21,185 @@ from train_stores import (
 )
 
 from bench import ablate
-from bench.ablate import Blocks, combine_seeds, mean_se, summarize
+from bench.ablate_record import REPO, digest, git_state, provenance, read_json
+from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
+from bench.ablate_variants import load_config
+from dspark.errors import UserError
 
 
-def blocks(taus_minus_one: list[float]) -> Blocks:
-    """Blocks of one slot whose τ is 1 + α (α given), one per held-out anchor."""
+def blocks(taus_minus_one: list[float], conversations: list[int] | None = None) -> Blocks:
+    """Blocks of one slot whose τ is 1 + α (α given); each its own conversation unless `conversations` says."""
     alpha = np.asarray(taus_minus_one, dtype=np.float64)[:, None]
-    key = np.stack([np.arange(len(alpha)), np.zeros(len(alpha), dtype=np.int64)], 1)
+    conv = np.arange(len(alpha)) if conversations is None else np.asarray(conversations)
+    key = np.stack([conv, np.arange(len(alpha))], 1).astype(np.int64)
     return Blocks(alpha, np.ones_like(alpha, dtype=bool), key)
 
 
-def test_standard_errors_match_a_hand_computation():
-    # one run: values 1, 2, 3, 6 -> mean 3, sd² = (4 + 1 + 0 + 9) / 3 = 14/3, SE = √(14/3 / 4)
-    assert mean_se(np.array([1.0, 2.0, 3.0, 6.0])) == pytest.approx((3.0, math.sqrt(14 / 12)))
-    # seeds with means 1.0, 1.2 and anchor SEs 0.03, 0.04: seed var (0.02)/2, anchor (0.0009+0.0016)/2
+def naive_clustered_se(values, clusters) -> float:
+    """The cluster-robust SE of a mean, written out as a loop over conversations."""
+    n, mean = len(values), sum(values) / len(values)
+    names = sorted(set(clusters))
+    total = 0.0
+    for c in names:
+        total += sum(v - mean for v, k in zip(values, clusters) if k == c) ** 2
+    return math.sqrt(len(names) / (len(names) - 1) * total / n**2)
+
+
+def test_clustered_standard_error_against_a_hand_example_a_loop_and_a_bootstrap():
+    # conversations 7: [1, 3], 8: [2], 9: [6, 4]; mean 3.2; deviation sums -2.4, -1.2, 3.6
+    values, clusters = np.array([1.0, 3.0, 2.0, 6.0, 4.0]), np.array([7, 7, 8, 9, 9])
+    mean, se = clustered_mean_se(values, clusters)
+    assert mean == pytest.approx(3.2)
+    assert se == pytest.approx(math.sqrt(3 / 2 * (2.4**2 + 1.2**2 + 3.6**2) / 25))
+    assert se == pytest.approx(naive_clustered_se(values.tolist(), clusters.tolist()))
+    # one block per conversation: the plain sd/√n; equal-sized conversations: sd(conversation means)/√C
+    assert clustered_mean_se(values, np.arange(5))[1] == pytest.approx(values.std(ddof=1) / math.sqrt(5))
+    pairs = np.array([1.0, 2.0, 5.0, 4.0, 0.0, 3.0])
+    means = pairs.reshape(3, 2).mean(1)
+    assert clustered_mean_se(pairs, np.repeat([0, 1, 2], 2))[1] == pytest.approx(means.std(ddof=1) / math.sqrt(3))
+    assert math.isnan(clustered_mean_se(values, np.zeros(5))[1])  # one conversation: no estimate
+
+    # correlated blocks: 40 conversations of 3-30 blocks, each with its own offset
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(3, 31, size=40)
+    clusters = np.repeat(np.arange(40), sizes)
+    values = np.repeat(rng.normal(0, 1, 40), sizes) + rng.normal(0, 0.5, sizes.sum())
+    mean, se = clustered_mean_se(values, clusters)
+    assert se == pytest.approx(naive_clustered_se(values.tolist(), clusters.tolist()))
+    # a bootstrap over conversations (resampling whole conversations) agrees
+    sums, counts = np.bincount(clusters, weights=values), np.bincount(clusters)
+    draws = rng.integers(0, 40, size=(4000, 40))
+    boot = sums[draws].sum(1) / counts[draws].sum(1)
+    assert boot.std() * math.sqrt(40 / 39) == pytest.approx(se, rel=0.1)
+    # and the block-level SE is far too small here
+    assert values.std(ddof=1) / math.sqrt(values.size) < se / 2
+
+
+def test_table_errors_are_clustered_and_paired_against_the_named_reference():
+    # one run's SE: the hand example above, per seed; seeds combine as √(sd²/S + mean SE²)
     got = combine_seeds([1.0, 1.2], [0.03, 0.04])
     assert got["mean"] == pytest.approx(1.1) and got["seeds"] == 2
     assert got["se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.00125))
 
     runs = [
         {"variant": v, "budget": 1, "seed": s, "steps": 10, "train_tokens": 2e6, "wall_s": w, "train_time_s": w / 2}
-        for v, s, w in (("a", 0, 10.0), ("a", 1, 14.0), ("b", 0, 12.0), ("b", 1, 12.0))
+        for v, s, w in (("a", 0, 10.0), ("a", 1, 14.0), ("b", 0, 12.0), ("b", 1, 12.0), ("c", 0, 1.0))
     ]
+    conv = [0, 0, 1, 1]
     done = {
-        ("a", 1, 0): blocks([0.2, 0.4]),
-        ("a", 1, 1): blocks([0.4, 0.4]),
-        ("b", 1, 0): blocks([0.5, 0.5]),
-        ("b", 1, 1): blocks([0.3, 0.7]),
+        ("a", 1, 0): blocks([0.2, 0.4, 0.1, 0.1], conv),
+        ("a", 1, 1): blocks([0.4, 0.4, 0.2, 0.0], conv),
+        ("b", 1, 0): blocks([0.5, 0.5, 0.3, 0.1], conv),
+        ("b", 1, 1): blocks([0.3, 0.7, 0.2, 0.2], conv),
+        ("c", 1, 0): blocks([0.6, 0.6, 0.4, 0.2], conv),
     }
-    untrained = {(v, s): blocks([0.0, 0.2]) for v in "ab" for s in (0, 1)}
-    table = {r["variant"]: r for r in summarize(runs, done, untrained, reference="a")}
-    a, b = table["a"], table["b"]
-    # a: seed means 1.3 (SE √(0.02/2)/√2... sd of [.2,.4] = √0.02, SE = 0.1) and 1.4 (SE 0)
-    assert a["tau"]["mean"] == pytest.approx(1.35)
-    assert a["tau"]["se"] == pytest.approx(math.sqrt(0.005 / 2 + (0.1**2 + 0) / 2))
-    # b - a paired per block: seed 0 [0.3, 0.1] (mean 0.2, SE 0.1); seed 1 [-0.1, 0.3] (mean 0.1, SE 0.2)
-    assert b["gain"]["mean"] == pytest.approx(0.15)
-    assert b["gain"]["se"] == pytest.approx(math.sqrt(0.005 / 2 + (0.01 + 0.04) / 2))
+    untrained = {(v, s): blocks([0.0, 0.2, 0.0, 0.0], conv) for v in "abc" for s in (0, 1)}
+    table = {r["variant"]: r for r in summarize(runs, done, untrained, reference="a", against={"c": "b"})}
+    a, b, c = table["a"], table["b"], table["c"]
+    assert (a["heldout_conversations"], a["heldout_blocks"]) == (2, 4)
+
+    def run_se(x):
+        return naive_clustered_se(list(x), conv)
+
+    tau_a = [np.array([1.2, 1.4, 1.1, 1.1]), np.array([1.4, 1.4, 1.2, 1.0])]
+    assert a["tau"]["mean"] == pytest.approx(np.mean([t.mean() for t in tau_a]))
+    seed_var = np.var([t.mean() for t in tau_a], ddof=1) / 2
+    assert a["tau"]["se"] == pytest.approx(math.sqrt(seed_var + np.mean([run_se(t) ** 2 for t in tau_a])))
+    # b − a per block, per seed: [.3, .1, .2, 0] and [-.1, .3, 0, .2], clustered by conversation
+    diffs = [np.array([0.3, 0.1, 0.2, 0.0]), np.array([-0.1, 0.3, 0.0, 0.2])]
+    seed_var = np.var([d.mean() for d in diffs], ddof=1) / 2
+    assert b["gain"]["mean"] == pytest.approx(0.125)
+    assert b["gain"]["se"] == pytest.approx(math.sqrt(seed_var + np.mean([run_se(d) ** 2 for d in diffs])))
     assert a["gain"]["mean"] == 0 and a["gain"]["se"] == 0
-    # per training token: (τ − the reference's untrained τ [1.0, 1.2]) / 2 Mtok; b seed 0 -> [0.25, 0.15]
-    assert b["tau_per_mtok"]["mean"] == pytest.approx(np.mean([0.25, 0.15, 0.15, 0.25]))
-    assert b["untrained_tau"]["mean"] == pytest.approx(1.1)
-    assert a["accept"]["mean"] == pytest.approx([0.35]) and a["alpha"]["mean"] == pytest.approx([0.35])
+    # c names b as its reference: paired on seed 0, the seed both ran
+    assert c["against"] == "b" and "against" not in b
+    assert c["gain_against"]["mean"] == pytest.approx(0.1) and c["gain_against"]["seeds"] == 1
+    assert c["gain_against"]["se"] == pytest.approx(run_se([0.1, 0.1, 0.1, 0.1]))
+    assert b["tau_per_mtok"]["mean"] == pytest.approx(np.mean([0.25, 0.15, 0.15, 0.05, 0.15, 0.25, 0.1, 0.1]))
+    assert a["accept"]["mean"] == pytest.approx([0.225]) and a["alpha"]["mean"] == pytest.approx([0.225])
     assert a["wall_s"] == {"mean": 12.0, "se": pytest.approx(2.0), "seeds": 2}  # sd √8 / √2
     with pytest.raises(ValueError, match="different held-out blocks"):
-        summarize(runs, {**done, ("b", 1, 1): blocks([0.3])}, untrained, reference="a")
+        summarize(runs, {**done, ("b", 1, 1): blocks([0.3])}, untrained, reference="a", against={})
+
+
+def test_torn_results_read_as_missing(tmp_path):
+    good = blocks([0.1, 0.2], [0, 1])
+    good.save(tmp_path / "b.npz")
+    assert np.array_equal(Blocks.load(tmp_path / "b.npz").key, good.key)
+    (tmp_path / "torn.npz").write_bytes((tmp_path / "b.npz").read_bytes()[:100])
+    (tmp_path / "torn.json").write_text('{"variant": "a", "tau')
+    assert Blocks.load(tmp_path / "torn.npz") is None and Blocks.load(tmp_path / "none.npz") is None
+    assert read_json(tmp_path / "torn.json") is None and read_json(tmp_path / "none.json") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.npz", "torn.json", "torn.npz"]  # no temp files left
+
+
+def variant_file(tmp_path, variants: dict, recipe: str = "published") -> dict:
+    cfg = {
+        "launcher": ["python", "-m", "train"],
+        "runs_dir": "runs",
+        "keep_checkpoints": False,
+        "common": [],
+        "recipe": recipe,
+        "steps": 1,
+        "budgets": [1],
+        "seeds": [0],
+        "eval": {},
+        "reference": next(iter(variants)),
+        "variants": variants,
+    }
+    (tmp_path / "ablate.yaml").write_text(yaml.safe_dump(cfg))
+    return cfg
+
+
+def test_a_variant_is_a_delta_from_a_recipe_and_can_build_on_another(tmp_path):
+    """`@other` stands for variant `other` (its recipe and overrides); `against` defaults to it."""
+    path = tmp_path / "ablate.yaml"
+    variant_file(
+        tmp_path,
+        {
+            "base": ["a=1"],
+            "mid": ["@base", "b=2"],
+            "top": ["c=3", "@mid", "d=4"],
+            "now": {"recipe": "default", "against": "top"},
+            "on_now": ["@now", "e=5"],
+        },
+    )
+    assert load_config(path)["variants"] == {
+        "base": {"recipe": "published", "overrides": ["a=1"], "against": None},
+        "mid": {"recipe": "published", "overrides": ["a=1", "b=2"], "against": "base"},
+        "top": {"recipe": "published", "overrides": ["c=3", "a=1", "b=2", "d=4"], "against": "mid"},
+        "now": {"recipe": "default", "overrides": [], "against": "top"},
+        "on_now": {"recipe": "default", "overrides": ["e=5"], "against": "now"},
+    }
+    for variants, message in [
+        ({"base": ["@nope"]}, "refers to '@nope', which is not a variant"),
+        ({"base": ["@loop"], "loop": ["@base"]}, "cycle: base -> loop -> base"),
+        ({"base": [], "x": {"recipe": "default", "overrides": ["@base"]}}, "recipe 'default'.*recipe 'published'"),
+        ({"base": [], "x": {"against": "nope"}}, "measured against 'nope'"),
+        ({"base": [], "x": {"recipe": "nope"}}, "recipe 'nope' is not in"),
+        ({"base": [], "x": {"overides": []}}, "must be a list of overrides or a mapping"),
+    ]:
+        variant_file(tmp_path, variants)
+        with pytest.raises(UserError, match=message):
+            load_config(path)
+
+
+@pytest.mark.parametrize("name", ["../x", "..", "a/b", "/abs", ".hidden", "a b", "a..b", "", "x" * 101])
+def test_unsafe_variant_and_recipe_names_are_refused(tmp_path, name):
+    """A variant name becomes a folder under runs_dir (which train.resume=restart clears): one safe path part."""
+    variant_file(tmp_path, {"base": [], name: ["a=1"]})
+    with pytest.raises(UserError, match="is not allowed"):
+        load_config(tmp_path / "ablate.yaml")
+    variant_file(tmp_path, {"base": []}, recipe=name)
+    with pytest.raises(UserError, match="is not allowed"):
+        load_config(tmp_path / "ablate.yaml")
+
+
+def test_the_default_recipe_is_the_plain_defaults():
+    assert ablate.compose(["+recipe=default"]) == ablate.compose([])
+    published = ablate.compose(["+recipe=published"])
+    assert published.model.markov_rank == 256 and published.train.init_layers_from_verifier is None
+    assert published != ablate.compose([])
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +211,137 @@ def tiny_world(tmp_path_factory):
     write_store(root / "store" / "eval", verifier, make_samples(verifier, 4, seed=1), first_id=1000)
     write_token_freqs(root / "freqs.npy", train, VOCAB)
     return root
+
+
+def tiny_variant_file(root, runs, **changes) -> tuple[dict, list[str]]:
+    """bench/ablate_tiny.yaml on the tiny world, 2 steps, one seed and budget, runs under `runs`; its main() args."""
+    cfg = yaml.safe_load((REPO / "bench" / "ablate_tiny.yaml").read_text())
+    cfg.update({"runs_dir": str(runs), "steps": 2, "budgets": [1], "seeds": [0], **changes})
+    cfg["variants"]["default"]["against"] = "baseline"
+    path = runs.parent / f"{runs.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return cfg, [f"config={path}", f"out={runs.parent / (runs.name + '_out')}", "only=baseline,default"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ablation(tiny_world, tmp_path_factory):
+    """bench/ablate_tiny.yaml's baseline (the published recipe) and default (today's), trained once."""
+    runs = tmp_path_factory.mktemp("tiny_ablation") / "runs"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ABLATE_ROOT", str(tiny_world))
+        _, args = tiny_variant_file(tiny_world, runs)
+        assert ablate.main(args) == 0
+    return runs
+
+
+def copy_of(runs, tmp_path):
+    shutil.copytree(runs, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    out = tiny_ablation.parent / "runs_out"
+    result = json.loads((out / "ablations.json").read_text())
+    assert (out / "ablations.png").stat().st_size > 0
+    assert result["made"] == git_state() and len(result["made"]["commit"]) == 40
+    table = {r["variant"]: r for r in result["table"]}
+    assert set(table) == {"baseline", "default"} and len(result["runs"]) == 2
+    for row in table.values():
+        assert row["steps"] == 2 and row["train_tokens"] > 0 and row["wall_s"]["mean"] > 0
+        assert len(row["accept"]["mean"]) == len(row["alpha"]["se"]) == 4  # block size 4
+        assert 1.0 <= row["tau"]["mean"] <= 5.0 and row["tau"]["se"] > 0
+        # one seed: the SE is the clustered SE of the stored blocks
+        run = Blocks.load(tiny_ablation / row["variant"] / "x1_s0" / "ablate.npz")
+        assert row["tau"]["mean"] == pytest.approx(run.tau.mean())
+        assert row["tau"]["se"] == pytest.approx(naive_clustered_se(run.tau.tolist(), run.key[:, 0].tolist()))
+        assert row["heldout_conversations"] == 4
+    # today's defaults, paired against the reference it names (here the baseline, so the same figure)
+    assert table["default"]["against"] == "baseline"
+    assert table["default"]["gain_against"] == pytest.approx(table["default"]["gain"])
+    assert table["baseline"]["gain"]["mean"] == 0
+    records = {r["variant"]: r for r in result["runs"]}
+    for variant, record in records.items():
+        assert record["trained"]["commit"] == record["scored"]["commit"] == result["made"]["commit"]
+        assert set(record["data"]) == {"train_store", "eval_store", "token_freqs"}
+        assert record["data"]["train_store"] != record["data"]["eval_store"]
+        # the config hash is of the composed config the run trained on
+        assert record["config_sha256"] == provenance(ablate.compose(record["overrides"]), {})["config_sha256"]
+        assert record == read_json(tiny_ablation / variant / "x1_s0" / "ablate.json")
+    assert records["baseline"]["recipe"] == "published" and records["default"]["recipe"] == "default"
+    assert records["baseline"]["config_sha256"] != records["default"]["config_sha256"]
+    # the trainer's own held-out τ at the end is the same metric on the same blocks
+    rows = [json.loads(x) for x in (tiny_ablation / "default" / "x1_s0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if r["split"] == "eval"][-1]["tau"] == pytest.approx(table["default"]["tau"]["mean"])
+    # a scored run keeps its drafter, not its checkpoints
+    assert (tiny_ablation / "default" / "x1_s0" / "drafter").is_dir()
+    assert not (tiny_ablation / "default" / "x1_s0" / "checkpoints").exists()
+
+
+def test_a_rerun_reuses_rescores_a_torn_result_and_never_retrains_a_drafter(
+    tiny_world, tiny_ablation, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    runs = copy_of(tiny_ablation, tmp_path)
+    logs = {v: (runs / v / "x1_s0.log").stat().st_size for v in ("baseline", "default")}
+    before = {v: read_json(runs / v / "x1_s0" / "ablate.json") for v in ("baseline", "default")}
+    stamp = (runs / "baseline" / "x1_s0" / "ablate.json").stat().st_mtime_ns
+    # default's result torn mid-write; its blocks lost
+    record = runs / "default" / "x1_s0" / "ablate.json"
+    record.write_text(record.read_text()[:50])
+    (runs / "default" / "x1_s0" / "ablate.npz").unlink()
+    _, args = tiny_variant_file(tiny_world, runs)
+    assert ablate.main(args) == 0
+    after = {v: read_json(runs / v / "x1_s0" / "ablate.json") for v in ("baseline", "default")}
+    assert (runs / "baseline" / "x1_s0" / "ablate.json").stat().st_mtime_ns == stamp  # reused as it was
+    for v in ("baseline", "default"):
+        assert (runs / v / "x1_s0.log").stat().st_size == logs[v]  # neither trained again
+        assert {k: after[v][k] for k in ("score_key", "steps", "wall_s")} == {
+            k: before[v][k] for k in ("score_key", "steps", "wall_s")
+        }
+    table = {r["variant"]: r for r in json.loads((tmp_path / "runs_out" / "ablations.json").read_text())["table"]}
+    assert table["default"]["tau"]["mean"] == pytest.approx(
+        Blocks.load(runs / "default" / "x1_s0" / "ablate.npz").tau.mean()
+    )
+
+
+def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_ablation, tmp_path, monkeypatch):
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    runs = copy_of(tiny_ablation, tmp_path)
+    old = read_json(runs / "baseline" / "x1_s0" / "ablate.json")
+    cfg, args = tiny_variant_file(tiny_world, runs, steps=3)
+    assert ablate.main([*args[:2], "only=baseline"]) == 0
+    new = read_json(runs / "baseline" / "x1_s0" / "ablate.json")
+    assert new["steps"] == 3 and new["train_key"] != old["train_key"]
+    # the key follows what the run trains on, whatever changes it
+    base = provenance(
+        ablate.compose(ablate.run_overrides(load_config(tmp_path / "runs.yaml"), "baseline", 1, 0, runs)), {}
+    )
+    assert base["train_key"] == new["train_key"]
+    cfg["variants"]["baseline"] = ["train.lr=5e-3"]
+    (tmp_path / "runs.yaml").write_text(yaml.safe_dump(cfg))
+    edited = load_config(tmp_path / "runs.yaml")
+    keys = {
+        "lr": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, runs)), {}),
+        "seed": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 1, runs)), {}),
+        "store": provenance(
+            ablate.compose(
+                [
+                    *ablate.run_overrides(edited, "baseline", 1, 0, runs),
+                    f"train.train_store={tiny_world / 'store' / 'eval'}",
+                ]
+            ),
+            {},
+        ),
+        "eval": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, runs)), {"max_samples": 2}),
+    }
+    assert len({base["train_key"], *(k["train_key"] for k in keys.values())}) == 4  # eval changes the score key only
+    assert keys["eval"]["train_key"] == keys["lr"]["train_key"] and keys["eval"]["score_key"] != keys["lr"]["score_key"]
+    assert keys["store"]["data"]["train_store"] != base["data"]["train_store"]
+    # the run dir does not enter the key: the same run elsewhere is the same result
+    elsewhere = provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, tmp_path / "x")), {})
+    assert elsewhere["train_key"] == keys["lr"]["train_key"]
+    assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
 
 
 def tiny_overrides(root) -> list[str]:
@@ -96,56 +363,6 @@ def tiny_overrides(root) -> list[str]:
         "train.data_workers=0",
         "train.lr=1e-2",
     ]
-
-
-def test_two_variants_make_one_table(tiny_world, tmp_path):
-    common = [*tiny_overrides(tiny_world), "train.eval_every=0"]
-    cfg = {
-        "launcher": ["python", "-m", "train"],
-        "runs_dir": str(tmp_path / "runs"),
-        "keep_checkpoints": False,
-        "common": common,
-        "steps": 3,
-        "budgets": [1],
-        "seeds": [0],
-        "reference": "baseline",
-        "eval": {"max_samples": None, "anchors_per_sample": None, "anchors_per_forward": 64},
-        "variants": {
-            "baseline": [],
-            "levers": [
-                "train.init_layers_from_verifier=[-1]",
-                "train.init_fc_from_last_aux=true",
-                "loss.anchor_sampling=confident",
-                "loss.anchor_pool=8",
-            ],
-        },
-    }
-    (tmp_path / "ablate.yaml").write_text(yaml.safe_dump(cfg))
-    assert ablate.main([f"config={tmp_path / 'ablate.yaml'}", f"out={tmp_path / 'out'}"]) == 0
-    result = json.loads((tmp_path / "out" / "ablations.json").read_text())
-    assert (tmp_path / "out" / "ablations.png").stat().st_size > 0
-    table = {r["variant"]: r for r in result["table"]}
-    assert set(table) == {"baseline", "levers"} and len(result["runs"]) == 2
-    for row in table.values():
-        assert row["steps"] == 3 and row["train_tokens"] > 0 and row["wall_s"]["mean"] > 0
-        assert len(row["accept"]["mean"]) == len(row["alpha"]["se"]) == 4  # block size 4
-        assert 1.0 <= row["tau"]["mean"] <= 5.0 and row["tau"]["se"] > 0
-        # one seed: the SE is the anchor SE of the stored blocks
-        run = Blocks.load(tmp_path / "runs" / row["variant"] / "x1_s0" / "ablate.npz")
-        assert row["tau"]["mean"] == pytest.approx(run.tau.mean())
-        assert row["tau"]["se"] == pytest.approx(run.tau.std(ddof=1) / math.sqrt(run.tau.size))
-    assert table["baseline"]["gain"]["mean"] == 0
-    # the trainer's own held-out τ at the end is the same metric on the same blocks
-    rows = [json.loads(x) for x in (tmp_path / "runs" / "levers" / "x1_s0" / "metrics.jsonl").read_text().splitlines()]
-    final = [r for r in rows if r["split"] == "eval"][-1]
-    assert final["tau"] == pytest.approx(table["levers"]["tau"]["mean"], rel=1e-4)
-    # a scored run keeps its drafter, not its checkpoints
-    assert (tmp_path / "runs" / "levers" / "x1_s0" / "drafter").is_dir()
-    assert not (tmp_path / "runs" / "levers" / "x1_s0" / "checkpoints").exists()
-    # a finished run is reused, not retrained
-    stamp = (tmp_path / "runs" / "baseline" / "x1_s0" / "ablate.json").stat().st_mtime
-    ablate.main([f"config={tmp_path / 'ablate.yaml'}", f"out={tmp_path / 'out'}", "only=baseline"])
-    assert (tmp_path / "runs" / "baseline" / "x1_s0" / "ablate.json").stat().st_mtime == stamp
 
 
 def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
@@ -176,33 +393,3 @@ def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
     for name, average in zip(trainable, averages, strict=True):
         torch.testing.assert_close(exported[name], average.to(exported[name].dtype))
     assert not torch.equal(exported["fc.weight"], ckpt["weights"]["fc.weight"])
-
-
-def test_a_variant_can_build_on_another(tmp_path):
-    """`@other` in a variant's list stands for variant `other`'s (expanded) overrides."""
-    cfg = {
-        "launcher": ["python", "-m", "train"],
-        "runs_dir": "runs",
-        "keep_checkpoints": False,
-        "common": [],
-        "steps": 1,
-        "budgets": [1],
-        "seeds": [0],
-        "eval": {},
-        "reference": "base",
-        "variants": {"base": ["a=1"], "mid": ["@base", "b=2"], "top": ["c=3", "@mid", "d=4"]},
-    }
-    path = tmp_path / "ablate.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert ablate.load_config(path)["variants"] == {
-        "base": ["a=1"],
-        "mid": ["a=1", "b=2"],
-        "top": ["c=3", "a=1", "b=2", "d=4"],
-    }
-    for variants, message in [
-        ({"base": ["@nope"]}, "refers to '@nope', which is not a variant"),
-        ({"base": ["@loop"], "loop": ["@base"]}, "cycle: base -> loop -> base"),
-    ]:
-        path.write_text(yaml.safe_dump({**cfg, "variants": variants}))
-        with pytest.raises(SystemExit, match=message):
-            ablate.load_config(path)

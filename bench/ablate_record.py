@@ -1,0 +1,123 @@
+"""What produced a `make ablate` result: the commit, the stores' fingerprints, the resolved
+config, and the keys a stored result is reused by.
+
+A run's *train key* hashes what its drafter depends on: the resolved training config (every
+override, the recipe, steps and seed, as composed by Hydra) and the fingerprints of the data it
+reads (train and held-out stores, token counts, vocabulary mapping). Its *score key* adds the
+held-out evaluation protocol. A stored result is reused only under the same score key; a drafter
+under the same train key is re-scored, not retrained; anything else is retrained from step 0.
+The commit is recorded, not keyed: a result stays reusable across commits of the code, and says
+which commit (and whether the tree was dirty) it was trained and scored at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+
+from dspark.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+# Names that become path parts under runs_dir (variants) or conf/ (recipes).
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
+# Keys of the resolved config that place a run, not what it trains.
+PLACEMENT_KEYS = ("run_dir", "run_name", "resume")
+
+
+def check_name(kind: str, name: object) -> str:
+    """`name` when safe as one path part (letters, digits, `_ . + -`, no `..`); else a UserError."""
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise UserError(
+            f"{kind} name {name!r} is not allowed: use letters, digits and _ . + - "
+            "(starting with a letter or digit, no '..', at most 100 characters); it becomes a folder name"
+        )
+    return name
+
+
+def digest(value: object) -> str:
+    """sha256 of a JSON value (keys sorted)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def git_state() -> dict:
+    """{commit, dirty} of the working tree (dirty: tracked or new files differ, results aside); commit None outside git."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", ".", ":(exclude)bench/results"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(status.strip())}
+
+
+@cache
+def store_fingerprint(url: str) -> str:
+    """sha256 of a store's identity: its target, tokenizer and every committed shard's size and checksums."""
+    from dspark.store import ShardStore
+
+    store = ShardStore.open(url)
+    shards = sorted((s["name"], s["n_samples"], s["n_tokens"], s["checksums"]) for s in store.manifest["shards"])
+    return digest({"target": store.target, "tokenizer": store.attrs.get("tokenizer_sha256"), "shards": shards})
+
+
+@cache
+def file_fingerprint(path: str) -> str:
+    """sha256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def data_fingerprints(train_cfg) -> dict:
+    """Fingerprints of everything a run reads besides its config: stores, token counts, vocabulary mapping."""
+    out = {}
+    for key in ("train_store", "eval_store"):
+        try:
+            out[key] = store_fingerprint(str(train_cfg[key]))
+        except (OSError, ValueError) as e:
+            raise UserError(f"train.{key}: {e} (make the stores first: make data extract)") from e
+    for key in ("token_freqs", "vocab_mapping"):
+        path = train_cfg.get(key)
+        if path is not None and Path(path).is_file():
+            out[key] = file_fingerprint(str(path))
+    return out
+
+
+def resolved_config(full_cfg) -> dict:
+    """The composed config as plain values, without the keys that only place the run."""
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.to_container(full_cfg, resolve=True)
+    for key in PLACEMENT_KEYS:
+        resolved["train"].pop(key, None)
+    return resolved
+
+
+def provenance(full_cfg, eval_protocol: dict) -> dict:
+    """{config_sha256, data, train_key, score_key} of one run's composed config."""
+    config_sha = digest(resolved_config(full_cfg))
+    data = data_fingerprints(full_cfg.train)
+    train_key = digest({"config": config_sha, "data": data})
+    return {
+        "config_sha256": config_sha,
+        "data": data,
+        "train_key": train_key,
+        "score_key": digest({"train": train_key, "eval": eval_protocol}),
+    }
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object at `path`; None when missing, torn or not an object (the result is redone)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

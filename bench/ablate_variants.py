@@ -1,0 +1,97 @@
+"""The variant file of `make ablate` (`bench/ablate.yaml`): variants as deltas from named recipes.
+
+A variant is a list of Hydra overrides of `python -m train` on the file's `recipe`, where an
+entry `@other` stands for variant `other` (its recipe and overrides), or a mapping
+`{recipe: NAME, overrides: [...], against: VARIANT}`. `against` is the reference the variant's
+decision is measured against; it defaults to the first variant it builds on with `@`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from bench.ablate_record import REPO, check_name
+from dspark.errors import UserError
+
+RECIPES = REPO / "conf" / "recipe"
+VARIANT_KEYS = {"recipe", "overrides", "against"}
+FILE_KEYS = {
+    "launcher",
+    "runs_dir",
+    "keep_checkpoints",
+    "common",
+    "recipe",
+    "steps",
+    "budgets",
+    "seeds",
+    "eval",
+    "reference",
+    "variants",
+}
+
+
+def load_config(path: Path) -> dict:
+    """The variant file at `path`, each variant expanded to {recipe, overrides, against}."""
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"cannot read the variant file {path}: {e}") from e
+    missing = sorted(FILE_KEYS - set(cfg or {}))
+    if missing:
+        raise UserError(f"{path}: missing keys {missing}")
+    check_recipe(path, cfg["recipe"])
+    specs = {check_name("variant", name): variant_spec(path, name, spec) for name, spec in cfg["variants"].items()}
+    if cfg["reference"] not in specs:
+        raise UserError(f"{path}: reference {cfg['reference']!r} is not one of the variants {list(specs)}")
+    cfg["variants"] = {name: expand_variant(path, specs, name, cfg["recipe"]) for name in specs}
+    return cfg
+
+
+def check_recipe(path: Path, recipe: object) -> str:
+    name = check_name("recipe", recipe)
+    if not (RECIPES / f"{name}.yaml").is_file():
+        have = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+        raise UserError(f"{path}: recipe {name!r} is not in {RECIPES} (have {have})")
+    return name
+
+
+def variant_spec(path: Path, name: str, spec: object) -> dict:
+    """{recipe, overrides, against} of a variant written as a list of overrides or as a mapping."""
+    if isinstance(spec, list):
+        spec = {"overrides": spec}
+    if not isinstance(spec, dict) or set(spec) - VARIANT_KEYS:
+        raise UserError(f"{path}: variant {name!r} must be a list of overrides or a mapping of {sorted(VARIANT_KEYS)}")
+    out = {"recipe": spec.get("recipe"), "overrides": spec.get("overrides") or [], "against": spec.get("against")}
+    if out["recipe"] is not None:
+        check_recipe(path, out["recipe"])
+    if not isinstance(out["overrides"], list):
+        raise UserError(f"{path}: variant {name!r}: overrides must be a list")
+    return out
+
+
+def expand_variant(path: Path, specs: dict, name: str, base: str, seen: tuple[str, ...] = ()) -> dict:
+    """{recipe, overrides, against} of a variant, each `@other` replaced by variant `other` (expanded)."""
+    if name in seen:
+        raise UserError(f"{path}: variants refer to each other in a cycle: {' -> '.join([*seen, name])}")
+    spec = specs[name]
+    recipe, overrides, refs = spec["recipe"], [], []
+    for item in spec["overrides"]:
+        if not (isinstance(item, str) and item.startswith("@")):
+            overrides.append(item)
+            continue
+        if item[1:] not in specs:
+            raise UserError(f"{path}: variant {name!r} refers to {item!r}, which is not a variant")
+        other = expand_variant(path, specs, item[1:], base, (*seen, name))
+        if recipe is not None and other["recipe"] != recipe:
+            raise UserError(
+                f"{path}: variant {name!r} (recipe {recipe!r}) refers to {item!r} (recipe {other['recipe']!r})"
+            )
+        recipe = other["recipe"]
+        overrides += other["overrides"]
+        refs.append(item[1:])
+    against = spec["against"] if spec["against"] is not None else (refs[0] if refs else None)
+    if against is not None and against not in specs:
+        raise UserError(f"{path}: variant {name!r} is measured against {against!r}, which is not a variant")
+    return {"recipe": recipe or base, "overrides": overrides, "against": against}
