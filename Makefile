@@ -87,4 +87,4 @@ ablate: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ablate $(ARGS)
 
 clean:
-	rm -rf runs outputs bench/results .pytest_cache
+	rm -rf runs outputs .pytest_cache
