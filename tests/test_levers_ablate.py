@@ -393,3 +393,17 @@ def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
     for name, average in zip(trainable, averages, strict=True):
         torch.testing.assert_close(exported[name], average.to(exported[name].dtype))
     assert not torch.equal(exported["fc.weight"], ckpt["weights"]["fc.weight"])
+
+
+def test_make_ablate_trains_todays_defaults_from_the_recipe_alone(tmp_path):
+    """bench/ablate.yaml's `default` is the plain defaults; every variant of the file composes."""
+    cfg = load_config(REPO / "bench" / "ablate.yaml")
+    assert cfg["variants"]["default"] == {"recipe": "default", "overrides": [], "against": "h10_slot0"}
+    assert cfg["variants"]["baseline"] == {"recipe": "published", "overrides": [], "against": None}
+    run = ablate.run_overrides(cfg, "default", 1, 0, tmp_path)
+    assert ablate.compose(run) == ablate.compose([o for o in run if o != "+recipe=default"])
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for variant in cfg["variants"]:
+            compose("train", overrides=ablate.run_overrides(cfg, variant, 1, 0, tmp_path))
