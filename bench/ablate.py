@@ -273,6 +273,10 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
     unknown = sorted(set(variants) - set(cfg["variants"]))
     if unknown:
         raise UserError(f"unknown variant(s) {unknown}; have {list(cfg['variants'])}")
+    against = {name: spec["against"] for name, spec in cfg["variants"].items() if spec["against"] is not None}
+    for name in variants:
+        if name in against and against[name] not in variants:
+            print(f"note: {name} is measured against {against[name]}, not in this run: no gain_against", flush=True)
     root = Path(os.path.expandvars(cfg["runs_dir"]))
     runs, blocks, untrained = [], {}, {}
     total = len(variants) * len(cfg["seeds"]) * len(cfg["budgets"])
@@ -289,7 +293,6 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
                     f"tau {blocks[variant, budget, seed].tau.mean():.4f} ({record['wall_s']:.0f} s)",
                     flush=True,
                 )
-    against = {name: spec["against"] for name, spec in cfg["variants"].items() if spec["against"] is not None}
     table = summarize(runs, blocks, untrained, cfg["reference"], against)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(table, out_dir / "ablations.png")

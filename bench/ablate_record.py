@@ -16,7 +16,6 @@ import hashlib
 import json
 import re
 import subprocess
-from functools import cache
 from pathlib import Path
 
 from dspark.errors import UserError
@@ -60,7 +59,6 @@ def git_state() -> dict:
     return {"commit": commit, "dirty": bool(status.strip())}
 
 
-@cache
 def store_fingerprint(url: str) -> str:
     """sha256 of a store's identity: its target, tokenizer and every committed shard's size and checksums."""
     from dspark.store import ShardStore
@@ -70,7 +68,6 @@ def store_fingerprint(url: str) -> str:
     return digest({"target": store.target, "tokenizer": store.attrs.get("tokenizer_sha256"), "shards": shards})
 
 
-@cache
 def file_fingerprint(path: str) -> str:
     """sha256 of a file's bytes."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
