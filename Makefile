@@ -4,7 +4,7 @@ PY      ?= python3.11
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 GPUS    ?= 1
-# Scale-out (README "Scaling out"): TP = devices per vLLM server (GPUS/TP servers per node);
+# Scale-out (docs/operations.md "Scaling out"): TP = devices per vLLM server (GPUS/TP servers per node);
 # NODES/NODE_RANK split pass 1's samples and make train join a torchrun rendezvous at MASTER_ADDR:MASTER_PORT.
 TP      ?= 1
 NODES   ?= 1

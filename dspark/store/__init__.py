@@ -1,6 +1,6 @@
 """Zarr v3 shard store of verifier hidden states: the hand-off from extraction to training.
 
-Layout (a public format, read by users' own tools too; documented in the README):
+Layout (a public format, read by users' own tools too; documented in docs/store-format.md):
 
     <store>/zarr.json        root group; attrs `format_version` (int), `target` = {`name_or_path`,
                              `hidden_size`, `num_hidden_layers`, `layer_ids` (ascending, last =
