@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import torch
 
 from bench import qwen_tokenizer_dir, write_figures
-from train.trainer import make_optimizer
+from train.optim import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 # The GPU check (bench/gpu_check.py) runs this module with cuda, bfloat16 (autocast) and flex.
