@@ -187,7 +187,7 @@ class LossConfig(Checked):
     """Position weights w_k = exp(-k/gamma)."""
     num_anchors: int
     """Anchors sampled per sequence (uniformly, without replacement, every step)."""
-    chunk_size: int
+    chunk_size: int = resume_field("free")
     """Slots per chunk of the vocabulary-sized loss computation (bounds peak memory)."""
     anchor_sampling: str
     """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,9 +45,10 @@ from train.config import TrainConfig
 from train.data import StoreSplit
 from train.dspark_trainer import DSparkTrainer
 from train.resume import resume_point
-from train.sampler import StepPlanner
+from train.sampler import StepPlanner, share_of_rank
 
 REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 # One step per epoch (a step holds every sample: 8 samples of at most 48 tokens), so a run's
 # length is min(max_steps, epochs) by hand; 2 layers in groups of their own.
 BASE = {
@@ -82,11 +86,15 @@ def world(tmp_path_factory) -> SimpleNamespace:
     )
 
 
-def config(world, run_dir: Path, **extra):
+def overrides(world, run_dir: Path, **extra) -> list[str]:
     settings = tiny_run_settings(world.verifier, world.train_store, world.eval_store, world.token_freqs)
     settings.update({**BASE, "train.run_dir": str(run_dir), **extra})
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+def config(world, run_dir: Path, **extra):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose("train", overrides=[f"{k}={v}" for k, v in settings.items()])
+        return compose("train", overrides=overrides(world, run_dir, **extra))
 
 
 def trainer_for(cfg) -> DSparkTrainer:
@@ -337,8 +345,8 @@ def write_poisoned_store(url: Path, verifier: Path, samples, poisoned: set[int])
     writer.write_shard(rows)
 
 
-def one_sample_steps(world, store: Path, run_dir: Path, **extra):
-    """A run of one sample a step (4 samples: 4 steps an epoch), a checkpoint every step."""
+def one_sample_steps(world, store: Path, run_dir: Path, **extra) -> dict:
+    """Settings of a run of one sample a step (4 samples: 4 steps an epoch), a checkpoint every step."""
     settings = {
         "train.train_store": store,
         "train.tokens_per_step": 48,
@@ -347,7 +355,7 @@ def one_sample_steps(world, store: Path, run_dir: Path, **extra):
         "train.lr_scales": "null",
         "model.num_layers": 1,
     }
-    return config(world, run_dir, **{**settings, **extra})
+    return {**settings, **extra}
 
 
 def train_rows(run_dir: Path) -> dict[int, dict]:
@@ -364,7 +372,7 @@ def test_a_non_finite_loss_skips_the_step_and_too_many_stop_the_run(world, tmp_p
     store = tmp_path / "poisoned"
     write_poisoned_store(store, world.verifier, samples, poisoned={split.refs[i].sample_id for i in third})
     run_dir = tmp_path / "run"
-    run(one_sample_steps(world, store, run_dir))
+    run(config(world, run_dir, **one_sample_steps(world, store, run_dir)))
     rows = train_rows(run_dir)
     assert [math.isfinite(rows[s]["loss"]) for s in (1, 2, 3, 4)] == [True, True, False, True]
     assert [rows[s]["nonfinite_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
@@ -380,4 +388,44 @@ def test_a_non_finite_loss_skips_the_step_and_too_many_stop_the_run(world, tmp_p
     all_bad = tmp_path / "all-bad"
     write_poisoned_store(all_bad, world.verifier, samples, poisoned={0, 1, 2, 3})
     with pytest.raises(UserError, match=r"steps 1\.\.2: 2 steps in a row had a non-finite loss.*max_nonfinite_steps=2"):
-        run(one_sample_steps(world, all_bad, tmp_path / "bad", **{"train.max_nonfinite_steps": 2}))
+        run(
+            config(
+                world,
+                tmp_path / "bad",
+                **one_sample_steps(world, all_bad, tmp_path, **{"train.max_nonfinite_steps": 2}),
+            )
+        )
+
+
+def test_ddp_ranks_skip_a_step_with_a_non_finite_loss_together(world, tmp_path):
+    """2 gloo ranks, one sample each a step; rank 1's sample of step 2 holds nan states: every
+    rank skips step 2 (the flag is summed over ranks), and the run goes on to train step 3."""
+    samples = [(ids[:48], mask[:48]) for ids, mask in world.samples[:6]]
+    clean = tmp_path / "clean"
+    write_poisoned_store(clean, world.verifier, samples, poisoned=set())
+    split = StoreSplit.open(ShardStore.open(clean), str(clean), 48)
+    planner = StepPlanner(split.lengths, 96, 48, seed=0)
+    (second,) = share_of_rank(planner, planner.epoch(0)[1], 1, 2)  # rank 1's micro-batch of step 2
+    store = tmp_path / "poisoned"
+    write_poisoned_store(store, world.verifier, samples, poisoned={split.refs[i].sample_id for i in second})
+    run_dir = tmp_path / "run"
+    settings = one_sample_steps(world, store, run_dir, **{"train.tokens_per_step": 96})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "train",
+        *overrides(world, run_dir, **settings),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = train_rows(run_dir)
+    assert [math.isfinite(rows[s]["loss"]) for s in (1, 2, 3)] == [True, False, True]
+    assert [rows[s]["nonfinite_steps"] for s in (1, 2, 3)] == [0, 1, 1]
+    weights = [load_file(run_dir / "checkpoints" / f"step_{s}" / "model.safetensors") for s in (1, 2, 3)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])
+    assert all(torch.isfinite(t).all() for t in weights[2].values())
