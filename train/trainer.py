@@ -2,9 +2,9 @@
 
 The base class owns everything that is not specific to the draft: the step plan over the
 store, background loading, gradient accumulation under DDP, the loss normalizer shared by
-all ranks, AdamW with warmup + cosine, clipping, the skip of a step whose loss or gradient is not
-finite, checkpoints and exact resume, evaluation
-cadence, best-checkpoint tracking and reporting. The loss normalizer and the handling of a
+all ranks, AdamW with warmup + cosine, clipping, skipping a step whose loss or gradient is
+not finite (on every rank alike), checkpoints and exact resume, evaluation cadence,
+best-checkpoint tracking (a non-finite metric is never best) and reporting. The loss normalizer and the handling of a
 rank with nothing to score live here, in `train_step`, and nowhere else: the step's loss is
 the sum of every micro-batch's weighted loss over all ranks divided by `norm`, the sum of
 their `norm_weight`s; a micro-batch with `norm_weight` 0 (or a rank with no data, which runs
