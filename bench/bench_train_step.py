@@ -24,7 +24,7 @@ lm_heads, Markov W2, softmaxes, their backward), (c) optimizer = the AdamW step.
 of the useful work (backbone on the conversations' tokens, both lm_heads and Markov W2 on
 the scored slots) over the median step time, against the best matmul FLOP/s measured in
 the same run (measured before every round; the fastest counts). `adamw_step_s`: one AdamW
-step over this trainer's parameters as `train` builds it (`train.trainer.make_optimizer`, the
+step over this trainer's parameters as `train` builds it (`train.optim.make_optimizer`, the
 fused kernel) and as torch's default AdamW (foreach), which speculators' side of the step uses.
 
 Run: python -m bench.bench_train_step   (or python -m bench only=train_step)
@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import torch
 
 from bench import qwen_tokenizer_dir, write_figures
-from train.trainer import make_optimizer
+from train.optim import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 # The GPU check (bench/gpu_check.py) runs this module with cuda, bfloat16 (autocast) and flex.

@@ -4,11 +4,21 @@ The dataclasses carry types, one-line docstrings and range checks (`__post_init_
 default value lives in Hydra's `conf/` tree (the single source of defaults). A stage turns
 a section of its composed config into its schema with `load_section`, so a misspelt key, a
 wrong type or a value out of range fails at load time, before any work, with a
-`UserError` naming `section.field`.
+`UserError` naming `section.field`; so does any numeric value that is not finite (`nan`,
+`inf`), in every section, nested dicts and lists included.
+
+The schemas the training pass reads also say, per field, what a resume may do with it
+(`resume_field` / `Checked.RESUME`, read by `resume_kinds`): `fixed` (the checkpoint's
+weights or sample plan depend on it: never changed by a resume, nor by a warm start for
+the verifier and the draft's architecture), `changes` (the objective, the schedule and the
+held-out metric: changed only with `train.allow_resume_changes`, and then the resumed run
+follows the new value) and `free` (operational: a resume uses the new value).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -23,6 +33,13 @@ DISTRIBUTION_TERMS = ("ce", "tv", "kl")
 CE_TARGETS = ("data", "argmax")
 ANCHOR_SAMPLING = ("uniform", "confident", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+RESUME_KINDS = ("fixed", "changes", "free")
+
+
+def resume_field(kind: str, **kwargs: Any) -> Any:
+    """A schema field whose resume kind (one of `RESUME_KINDS`) differs from its class's `RESUME`."""
+    assert kind in RESUME_KINDS, kind
+    return dataclasses.field(metadata={"resume": kind}, **kwargs)
 
 
 class Checked:
@@ -30,6 +47,8 @@ class Checked:
 
     SECTION: ClassVar[str] = ""
     """Where the schema lives in the composed config (`train`, `eval.offline`, ...)."""
+    RESUME: ClassVar[str | None] = None
+    """Resume kind of the fields without their own `resume_field` (None: each field must say)."""
 
     def refuse(self, field: str, requirement: str) -> None:
         raise UserError(f"{self.SECTION}.{field} {requirement}, got {getattr(self, field)!r}")
@@ -64,8 +83,9 @@ class TargetConfig(Checked):
     """
 
     SECTION: ClassVar[str] = "target"
+    RESUME: ClassVar[str] = "fixed"
 
-    name: str
+    name: str = resume_field("free")
     """Short name used in run directories and reports (`target=auto`: the last part of `name_or_path`)."""
     name_or_path: str
     """HF hub id, local HF directory, or `embedded:smollm2` for the PyPI-shipped default."""
@@ -109,6 +129,7 @@ class DraftConfig(Checked):
     """Architecture of the DSpark draft model (sized from the verifier's HF config)."""
 
     SECTION: ClassVar[str] = "model"
+    RESUME: ClassVar[str] = "fixed"
 
     num_layers: int
     """Number of Qwen3 decoder layers in the draft."""
@@ -128,7 +149,7 @@ class DraftConfig(Checked):
     """null = full attention over the context; an int = context keys >= anchor - window."""
     causal_in_block: bool
     """Causal attention inside a block (default false: bidirectional, as in the paper)."""
-    attn_impl: str
+    attn_impl: str = resume_field("free")
     """`sdpa` (everywhere) or `flex` (CUDA only, tested equal to sdpa)."""
     markov_embed_proj: bool = False
     """Training only: W1[prev] gets + E[prev]·P (E the verifier's embedding, P trainable), folded into W1 at export."""
@@ -154,6 +175,7 @@ class LossConfig(Checked):
     """Training objective."""
 
     SECTION: ClassVar[str] = "loss"
+    RESUME: ClassVar[str] = "changes"
 
     weights: dict[str, float]
     """Weights of the distribution terms `ce`, `tv` (= ½‖q−p‖₁) and `kl`; a term at 0 is not computed."""
@@ -165,7 +187,7 @@ class LossConfig(Checked):
     """Position weights w_k = exp(-k/gamma)."""
     num_anchors: int
     """Anchors sampled per sequence (uniformly, without replacement, every step)."""
-    chunk_size: int
+    chunk_size: int = resume_field("free")
     """Slots per chunk of the vocabulary-sized loss computation (bounds peak memory)."""
     anchor_sampling: str
     """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""
@@ -200,6 +222,27 @@ class LossConfig(Checked):
         self.at_least(1, "hidden_slots", nullable=True)
 
 
+def resume_kinds(cls: type[Checked]) -> dict[str, str]:
+    """What a resume may do with each field of a schema: field name -> one of `RESUME_KINDS`."""
+    kinds = {f.name: f.metadata.get("resume", cls.RESUME) for f in dataclasses.fields(cls)}
+    undeclared = sorted(name for name, kind in kinds.items() if kind not in RESUME_KINDS)
+    if undeclared:
+        raise TypeError(f"{cls.__name__}: no resume kind for {undeclared} (use resume_field or {cls.__name__}.RESUME)")
+    return kinds
+
+
+def non_finite(value: Any, key: str) -> tuple[str, float] | None:
+    """The first (`key.sub` / `key[i]`, value) inside `value` that is a non-finite number, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for sub, inner in items:
+        found = non_finite(inner, f"{key}[{sub}]" if isinstance(value, list) else f"{key}.{sub}")
+        if found:
+            return found
+    return None
+
+
 T_cfg = TypeVar("T_cfg")
 
 
@@ -218,6 +261,10 @@ def to_dataclass(cls: type[T_cfg], cfg: DictConfig | dict, section: str | None =
             cfg = OmegaConf.to_container(cfg, resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(cls), cfg)
         _refuse_missing(section, merged)
+        # Before the schema's own checks: `nan < 0` is false, so a range check lets nan through.
+        found = non_finite(OmegaConf.to_container(merged, resolve=True), section)
+        if found:
+            raise UserError(f"{found[0]} must be a finite number, got {found[1]}")
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
         detail = str(err).splitlines()[0]
@@ -260,11 +307,14 @@ __all__ = [
     "DISTRIBUTION_TERMS",
     "DTYPES",
     "MARKOV_TYPES",
+    "RESUME_KINDS",
     "Checked",
     "DraftConfig",
     "LossConfig",
     "TargetConfig",
     "default_target_name",
     "load_section",
+    "resume_field",
+    "resume_kinds",
     "to_dataclass",
 ]

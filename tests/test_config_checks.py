@@ -91,6 +91,34 @@ def test_a_bad_value_is_refused_at_load_time_naming_the_field(stage, override, s
     assert message in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "stage, override, section, message",
+    [
+        ("train", "train.lr=inf", "train", "train.lr must be a finite number, got inf"),
+        ("train", "train.adam_betas=[0.9,nan]", "train", "train.adam_betas[1] must be a finite number, got nan"),
+        (
+            "train",
+            "train.lr_scales={layers: -inf}",
+            "train",
+            "train.lr_scales.layers must be a finite number, got -inf",
+        ),
+        ("train", "loss.hidden_weight=nan", "loss", "loss.hidden_weight must be a finite number, got nan"),
+        ("train", "loss.weights={tv: nan}", "loss", "loss.weights.tv must be a finite number, got nan"),
+        ("train", "model.block_size=nan", "model", "model.block_size: Value 'nan' of type 'float' could not be"),
+        ("eval", "eval.calibration.t_min=nan", "eval", "eval.calibration.t_min must be a finite number, got nan"),
+        ("extract", "extract.request_timeout_s=inf", "extract", "extract.request_timeout_s must be a finite number"),
+        ("data", "data.eval_fraction=nan", "data", "data.eval_fraction must be a finite number, got nan"),
+        ("data", "regen.temperature=inf", "regen", "regen.temperature must be a finite number, got inf"),
+    ],
+)
+def test_a_non_finite_number_is_refused_in_every_section(stage, override, section, message):
+    """`nan < 0` is false, so a range check alone lets nan through (and a dict of weights would drop it)."""
+    cfg = composed(stage, override)
+    with pytest.raises(UserError) as refused:
+        load_section(STAGE_SECTIONS[stage][section], cfg, section)
+    assert message in str(refused.value)
+
+
 def test_a_term_at_weight_zero_is_left_out():
     """A dict override merges into the default, so weight 0 is how a term is switched off."""
     cfg = composed("train", "loss.weights={ce: 0.0, tv: 0.9}", "++loss.weights.kl=0.5")
@@ -99,13 +127,14 @@ def test_a_term_at_weight_zero_is_left_out():
 
 def test_stages_refuse_a_bad_value_before_any_work(tmp_path):
     runs = tmp_path / "runs"
-    cases = {  # the stages start side by side: each must stop at its config (train and eval are covered
-        # in process above: their imports alone take longer than the whole refusal)
+    cases = {  # the stages start side by side: each must stop at its config (eval is covered in
+        # process above: its imports alone take longer than the whole refusal)
         "error: data.eval_fraction must be in [0, 1], got 1.5": ["extract.data", "data.eval_fraction=1.5"],
         "error: extract.connector must be one of ['auto', 'cpu', 'stock'], got 'gpu'": [
             "extract",
             "extract.connector=gpu",
         ],
+        "error: loss.weights.tv must be a finite number, got nan": ["train", "loss.weights={tv: nan}"],
     }
     procs = {
         message: subprocess.Popen(
@@ -121,4 +150,5 @@ def test_stages_refuse_a_bad_value_before_any_work(tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err[-2000:]
         assert message in err and "Traceback" not in err
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [message], err[-2000:]
     assert not runs.exists()  # nothing was written

@@ -25,7 +25,7 @@ from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
 from train.config import TrainConfig
 from train.dspark_trainer import noisy_context
-from train.trainer import make_optimizer
+from train.optim import make_optimizer
 
 BLOCK = 4
 REPO = Path(__file__).resolve().parents[1]

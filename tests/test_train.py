@@ -458,17 +458,10 @@ def test_refuses_a_different_vocab_mapping(world, tmp_path):
     other = save_mapping(tmp_path / "other.safetensors", *build_mapping(counts, 128))
     # The run's own mapping (built from token_freqs on the first start) must be reused.
     run_dir = tmp_path / "run"
-    run(
-        compose_cfg(
-            overrides(
-                world,
-                run_dir,
-                **{"train.max_steps": 1, "train.eval_store": "null", "train.export": "false", "train.data_workers": 0},
-            )
-        )
-    )
+    first = {"train.max_steps": 1, "train.eval_store": "null", "train.export": "false", "train.data_workers": 0}
+    run(compose_cfg(overrides(world, run_dir, **first)))
     with pytest.raises(ValueError, match="vocab mapping mismatch"):
-        run(compose_cfg(overrides(world, run_dir, **{"train.vocab_mapping": str(other), "train.max_steps": 2})))
+        run(compose_cfg(overrides(world, run_dir, **{**first, "train.vocab_mapping": str(other)})))
     with pytest.raises(ValueError, match="vocab mapping mismatch"):
         run(
             compose_cfg(
@@ -607,13 +600,14 @@ def test_resume_finds_the_newest_complete_checkpoint_itself(world, tmp_path, cap
     short_run(world, run_dir)
     ckpts = run_dir / "checkpoints"
     (ckpts / "latest").unlink()  # missing link
-    short_run(world, run_dir, **{"train.max_steps": 3})
+    longer = {"train.allow_resume_changes": "true"}  # train.max_steps sets the schedule's length
+    short_run(world, run_dir, **{"train.max_steps": 3, **longer})
     assert f"resuming from {ckpts / 'step_2'} at step 2" in capsys.readouterr().out
     (ckpts / "latest").unlink()
     (ckpts / "latest").symlink_to("step_99")  # dangling link
     (ckpts / "step_7").mkdir()  # and a newer step that is not complete
     (ckpts / "step_7" / "trainer_state.json").write_text("{}")
-    short_run(world, run_dir, **{"train.max_steps": 4})
+    short_run(world, run_dir, **{"train.max_steps": 4, **longer})
     assert f"resuming from {ckpts / 'step_3'} at step 3" in capsys.readouterr().out
     assert steps_logged(run_dir) == [1, 2, 3, 4]
 
@@ -635,11 +629,11 @@ def test_resume_refuses_a_changed_objective_or_schedule(world, tmp_path):
     run_dir = tmp_path / "run"
     short_run(world, run_dir)
     changes = {"train.lr": 2e-2, "loss.gamma": 2.0, "train.epochs": 7, "train.warmup_ratio": 0.5}
-    for key, value in changes.items():
+    for key, value in {**changes, "train.max_steps": 3}.items():
         with pytest.raises(UserError, match=rf"\['{key}'\].*train.allow_resume_changes=true"):
-            short_run(world, run_dir, **{key: value, "train.max_steps": 3})
+            short_run(world, run_dir, **{key: value})
     with pytest.raises(UserError, match=r"\['loss.gamma', 'train.lr'\]"):
-        short_run(world, run_dir, **{"train.lr": 2e-2, "loss.gamma": 2.0, "train.max_steps": 3})
+        short_run(world, run_dir, **{"train.lr": 2e-2, "loss.gamma": 2.0})
     assert steps_logged(run_dir) == [1, 2]
     short_run(world, run_dir, **{"train.lr": 2e-2, "train.max_steps": 3, "train.allow_resume_changes": "true"})
     assert steps_logged(run_dir) == [1, 2, 3]
@@ -683,7 +677,7 @@ def test_foreign_pickles_in_a_checkpoint_never_run(world, tmp_path):
     assert not marker.exists()
     # Resume: the optimizer state is refused, not unpickled.
     with pytest.raises(UserError, match="refusing to unpickle"):
-        short_run(world, source)
+        short_run(world, source, **{"train.max_steps": 1})
     assert not marker.exists()
 
 

@@ -5,6 +5,8 @@ point or warm start, and finally the model and its trainer.
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from dspark.targets import EMBEDDED_PREFIX, Target, dataset_target, resolve_targ
 from dspark.verifier import VerifierHead
 from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
 from train.checkpoint import (
+    CONFIG_FILE,
     load_trainable_state,
     read_weights,
     resolve_checkpoint,
@@ -32,7 +35,7 @@ from train.checkpoint import (
 from train.config import TrainConfig
 from train.data import StoreSplit
 from train.dspark_trainer import DSparkTrainer
-from train.resume import clear_run, resume_point
+from train.resume import clear_run, identity_changes, resume_point
 
 
 def check_devices(processes_per_node: int, cuda_devices: int) -> None:
@@ -122,11 +125,35 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
     return save_mapping(own, d2t, t2d, {"token_freqs": str(freqs_path), "draft_vocab_size": size})
 
 
-def warm_start(model: DSparkDraft, path: str) -> None:
-    """Load weights from an exported drafter or a checkpoint; its vocab mapping must be ours."""
+def draft_identity(model: DSparkDraft, verifier_name_or_path: str) -> dict:
+    """What a draft's weights mean, in config terms (the sections `identity_changes` compares): its
+    verifier, aux layers, mask token and architecture. The training-only Markov projections are
+    left out: a drafter holds them folded into its tables."""
+    arch = {k: v for k, v in asdict(model.cfg).items() if k not in ("markov_embed_proj", "markov_lm_head_proj")}
+    target = {"name_or_path": verifier_name_or_path, "aux_layer_ids": list(model.aux_layer_ids)}
+    target["mask_token_id"] = model.mask_token_id
+    return {"target": target, "model": {**arch, "draft_vocab_size": model.draft_vocab_size}}
+
+
+def refuse_other_identity(path: str, changed: list[str], source: Path) -> None:
+    if changed:
+        raise UserError(
+            f"train.init_from={path}: {changed} differ from {source} (it was trained for another verifier, "
+            "other aux layers or another draft architecture; its weights would load and mean something else); "
+            "set them as it has them, or start without train.init_from"
+        )
+
+
+def warm_start(model: DSparkDraft, path: str, full_cfg: DictConfig, verifier_name_or_path: str) -> None:
+    """Load weights from an exported drafter or a checkpoint made for the same verifier, aux layers and
+    draft architecture as this run (the keys a resume may not change either); its vocab mapping must be ours."""
     source = Path(path)
     if (source / "config.json").is_file():
         other = load_drafter(source)
+        spec = json.loads((source / "config.json").read_text()).get("speculators_config", {})
+        theirs = draft_identity(other, spec.get("verifier", {}).get("name_or_path"))
+        changed = identity_changes(draft_identity(model, verifier_name_or_path), theirs)
+        refuse_other_identity(path, changed, source / "config.json")
         if (other.d2t is None) != (model.d2t is None):
             raise ValueError(
                 f"train.init_from={path}: one of the drafter and this run has a reduced vocabulary, the other not"
@@ -140,6 +167,7 @@ def warm_start(model: DSparkDraft, path: str) -> None:
         load_trainable_state(model, weights, source)
         return
     ckpt = resolve_checkpoint(source)
+    refuse_other_identity(path, identity_changes(full_cfg, OmegaConf.load(ckpt / CONFIG_FILE)), ckpt / CONFIG_FILE)
     if model.d2t is not None:
         files = sorted(ckpt.glob("vocab_map_*.safetensors"))
         if not files:
@@ -209,8 +237,9 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     fc, norm = (layers is not None if v == "auto" else v for v in (fc, cfg.init_norm_from_verifier))
     if layers is not None or fc or norm:
         init_from_verifier(model, target_dir, layers, fc, norm)
-    if cfg.init_from is not None:
-        warm_start(model, cfg.init_from)
+    verifier_name = served_verifier_name(target.name_or_path, target_dir)
+    if cfg.init_from is not None and resume_from is None:  # a resume's weights are the checkpoint's
+        warm_start(model, cfg.init_from, full_cfg, verifier_name)
 
     return DSparkTrainer(
         cfg,
@@ -218,7 +247,7 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         model=model,
         verifier=verifier,
         loss_cfg=loss_cfg,
-        verifier_name_or_path=served_verifier_name(target.name_or_path, target_dir),
+        verifier_name_or_path=verifier_name,
         train_split=train_split,
         eval_split=eval_split,
         run_dir=run_dir,

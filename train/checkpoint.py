@@ -2,14 +2,14 @@
 
 A checkpoint holds everything an exact resume needs: the trainable weights
 (model.safetensors; the frozen verifier tensors are reloaded from the verifier), the
-optimizer and scheduler states, every rank's RNG states, the loop position
+optimizer state (by parameter name), every rank's RNG states, the loop position
 (trainer_state.json), the resolved config (config.yaml) and the vocab mapping. It is
 written to a hidden partial directory, fsynced (files and directory) and renamed into
 place, so neither a crash nor a power cut leaves a half-written `step_N`.
 
 The newest complete `step_N/` is the truth; the `latest` link is a convenience for people
 (it dangles for a moment during every save). Nothing here unpickles: weights are
-safetensors and the optimizer, scheduler and RNG states hold only tensors and plain Python
+safetensors and the optimizer and RNG states hold only tensors and plain Python
 values, read with `torch.load(weights_only=True)`.
 """
 
@@ -153,7 +153,6 @@ class CheckpointWriter:
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
         state: dict[str, Any],
         config_yaml: str,
         files: dict[str, Path],
@@ -169,8 +168,7 @@ class CheckpointWriter:
         torch.save(capture_rng(), partial / rng_file(self.rank))
         if self.rank == 0:
             save_file(trainable_state(model), partial / WEIGHTS_FILE)
-            states = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-            torch.save(states, partial / OPTIMIZER_FILE)
+            torch.save({"optimizer": optimizer.state_dict()}, partial / OPTIMIZER_FILE)
             (partial / CONFIG_FILE).write_text(config_yaml)
             (partial / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
             for name, src in files.items():
@@ -235,7 +233,6 @@ def read_checkpoint(path: Path, rank: int) -> dict[str, Any]:
     return {
         "weights": read_weights(path),
         "optimizer": opt["optimizer"],
-        "scheduler": opt["scheduler"],
         "state": json.loads((path / STATE_FILE).read_text()),
         # A resume on more ranks than were saved: the new ranks start from rank 0's RNG state.
         "rng": load_plain(rng_path if rng_path.exists() else path / rng_file(0)),

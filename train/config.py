@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dspark.config import Checked
+from dspark.config import Checked, resume_field
 
 RESUME_MODES = ("auto", "never", "must", "restart")
 MIXED_PRECISION = ("auto", "bf16", "no")
@@ -16,45 +16,47 @@ class TrainConfig(Checked):
     """The training pass: data, schedule, checkpoints, evaluation and export."""
 
     SECTION: ClassVar[str] = "train"
+    RESUME: ClassVar[str] = "changes"
 
-    run_name: str
+    run_name: str = resume_field("free")
     """Name of this run; its directory is `run_dir`."""
-    run_dir: str
+    run_dir: str = resume_field("free")
     """Directory of the run: checkpoints, vocab mapping, TensorBoard events, metrics.jsonl, drafter/."""
     train_store: str
     """Shard store (path or fsspec URL) with the training split."""
     eval_store: str | None
     """Shard store with the held-out split; null disables evaluation."""
-    token_freqs: str
+    token_freqs: str = resume_field("free")
     """token_freqs.npy of the data stage (loss-masked train token counts) used to build the draft vocabulary."""
-    vocab_mapping: str | None
+    vocab_mapping: str | None = resume_field("free")
     """An existing vocab mapping to reuse (e.g. from an earlier run); null = the run's own or a new one."""
-    init_from: str | None
+    init_from: str | None = resume_field("fixed")
     """Warm start: an exported drafter dir or a checkpoint dir; weights only, the schedule starts fresh."""
-    init_layers_from_verifier: Any
+    init_layers_from_verifier: Any = resume_field("fixed")
     """`auto`: the verifier's last `model.num_layers` decoder layers where they can be copied, else
     random; [ids]: draft layer j starts as verifier layer ids[j] (negative = from the end); null = random."""
-    init_fc_from_last_aux: Any
+    init_fc_from_last_aux: Any = resume_field("fixed")
     """Start `fc` as a selection of the last aux layer ([0 … 0 | I]): true, false, or `auto` (when layers are copied)."""
-    init_norm_from_verifier: Any
+    init_norm_from_verifier: Any = resume_field("fixed")
     """Start the draft's final norm as the verifier's final norm: true, false, or `auto` (when layers are copied)."""
-    resume: str
+    resume: str = resume_field("free")
     """`auto`: continue from the newest complete checkpoint, else start fresh in an empty run_dir;
     `never`: refuse a run_dir with checkpoints; `must`: refuse one without; `restart`: delete
     the run_dir's checkpoints, metrics and drafter and start from step 0."""
-    allow_resume_changes: bool
-    """Resume even though `loss.*` or schedule keys (lr, warmup, epochs, ...) differ from the checkpoint's."""
-    collective_timeout_s: float
+    allow_resume_changes: bool = resume_field("free")
+    """Resume even though `loss.*`, schedule or held-out keys (lr, warmup, max_steps, eval_store, ...) differ
+    from the checkpoint's; the resumed run then follows the new values (docs/resume.md)."""
+    collective_timeout_s: float = resume_field("free")
     """A rank waiting longer than this on its peers (one died or hung) fails instead of waiting forever."""
-    seed: int
+    seed: int = resume_field("fixed")
     """Seed of weight init, sample order and anchor sampling."""
     epochs: int
     """Passes over the training split."""
     max_steps: int | None
-    """Stop after this many optimizer steps (null = all epochs); the schedule still spans all epochs."""
-    tokens_per_step: int
+    """Stop after this many optimizer steps (null = all epochs); the warmup and cosine span them."""
+    tokens_per_step: int = resume_field("fixed")
     """Global batch: sample tokens per optimizer step, summed over all ranks (independent of GPUS)."""
-    tokens_per_micro_batch: int
+    tokens_per_micro_batch: int = resume_field("fixed")
     """Padded tokens per forward pass on one rank (bounds memory; more micro-batches = accumulation)."""
     lr: float
     """Peak learning rate of AdamW."""
@@ -72,29 +74,32 @@ class TrainConfig(Checked):
     """Cosine decay ends at `lr * min_lr_ratio`."""
     grad_clip: float | None
     """Clip the global gradient norm to this value (null = no clipping)."""
+    max_nonfinite_steps: int = resume_field("free")
+    """Stop (an error) after this many optimizer steps in a row whose loss or gradient is not finite
+    (each such step is skipped: the weights are left as they are)."""
     mixed_precision: str
     """`auto` (bf16 on CUDA, fp32 on CPU), `bf16` or `no`."""
-    data_workers: int
+    data_workers: int = resume_field("free")
     """Background DataLoader worker processes that read and collate the store (0 = in the training loop)."""
-    prefetch_steps: int
+    prefetch_steps: int = resume_field("free")
     """Steps each data worker prepares ahead of the training loop."""
-    eval_every: int
+    eval_every: int = resume_field("free")
     """Evaluate on the held-out store every this many steps (and at the end); 0 = only at the end."""
-    eval_on_start: bool
+    eval_on_start: bool = resume_field("free")
     """Also evaluate before the first step (the baseline of an untrained or warm-started draft)."""
     eval_num_anchors: int
     """Anchors per held-out sequence (fixed across evaluations for comparable figures)."""
     eval_max_samples: int | None
     """Evaluate on at most this many held-out samples (null = all)."""
-    save_every: int
+    save_every: int = resume_field("free")
     """Write a checkpoint every this many steps (and at the end)."""
-    keep_last: int
+    keep_last: int = resume_field("free")
     """Checkpoints kept besides the best one (older ones are deleted)."""
-    log_every: int
+    log_every: int = resume_field("free")
     """Write train metrics to the trackers / metrics.jsonl every this many steps."""
-    log_with: list[str]
+    log_with: list[str] = resume_field("free")
     """accelerate experiment trackers for train/eval figures (tensorboard, wandb, mlflow, ...); metrics.jsonl always."""
-    export: bool
+    export: bool = resume_field("free")
     """Export the final drafter in speculators format to `run_dir/drafter`."""
     ema_decay: float | None
     """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
@@ -116,6 +121,7 @@ class TrainConfig(Checked):
             "log_every",
             "prefetch_steps",
             "eval_num_anchors",
+            "max_nonfinite_steps",
         )
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
         self.at_least(1, "max_steps", "eval_max_samples", nullable=True)

@@ -4,7 +4,10 @@ The newest complete `checkpoints/step_N` is found by listing the run dir (the `l
 link is only a convenience). Without one, a fresh start is refused in a run dir holding
 an earlier run's work (unless `train.resume=restart`, which deletes it first); with one, a
 resume is refused when the config changed what the checkpoint's weights mean (target,
-model) or how training continues (loss, schedule; unless `train.allow_resume_changes`).
+model), where they started or the sample plan (`fixed` keys), or how training continues (the
+objective, the schedule, the held-out metric: `changes` keys, unless
+`train.allow_resume_changes`; the resumed run then follows the new values). The kinds come
+from the schemas (`dspark.config.resume_kinds`); docs/resume.md lists them.
 """
 
 from __future__ import annotations
@@ -15,27 +18,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dspark.config import RESUME_KINDS, Checked, DraftConfig, LossConfig, TargetConfig, resume_kinds
 from dspark.errors import UserError
 from train.checkpoint import CONFIG_FILE, checkpoints_root, latest_checkpoint, step_dirs
 from train.config import TrainConfig
 from train.reporting import METRICS_FILE
 
-# The objective and the schedule: a resume may change them only with train.allow_resume_changes
-# (besides every loss.* key). max_steps may change: it stops the run, the schedule stays.
-SCHEDULE_KEYS = (
-    "lr",
-    "lr_scales",
-    "markov_embed_proj_lr_scale",
-    "weight_decay",
-    "adam_betas",
-    "warmup_ratio",
-    "min_lr_ratio",
-    "epochs",
-    "grad_clip",
-    "seed",
-    "tokens_per_step",
-    "tokens_per_micro_batch",
-)
+# The sections a checkpoint's config.yaml is compared on; what a resume may do with each key
+# comes from the schema (`dspark.config.resume_kinds`).
+RESUME_SCHEMAS: dict[str, type[Checked]] = {
+    "target": TargetConfig,
+    "model": DraftConfig,
+    "loss": LossConfig,
+    "train": TrainConfig,
+}
+# The identity of a draft's weights: what a warm start (train.init_from) must share with its source.
+IDENTITY_SECTIONS = ("target", "model")
 # What an earlier run leaves in its run dir (deleted by train.resume=restart).
 RUN_OUTPUTS = ("checkpoints", "tensorboard", "drafter")
 
@@ -70,12 +68,33 @@ def earlier_work(run_dir: Path, cfg: TrainConfig) -> list[str]:
     return found
 
 
-def changed_keys(ours: DictConfig, saved: DictConfig, section: str, keys: tuple[str, ...] | None = None) -> list[str]:
-    """`section.key` names (all keys of the section, or `keys`) whose values differ between two configs."""
-    mine = OmegaConf.to_container(ours[section], resolve=True) if section in ours else {}
-    theirs = OmegaConf.to_container(saved[section], resolve=True) if section in saved else {}
-    names = keys if keys is not None else sorted(set(mine) | set(theirs))
-    return [f"{section}.{k}" for k in names if mine.get(k) != theirs.get(k)]
+def section_values(cfg: DictConfig | dict, section: str) -> dict:
+    """A section as plain values (interpolations resolved against the whole config); {} when absent."""
+    node = cfg.get(section)
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+
+
+def changed_keys(ours: DictConfig | dict, saved: DictConfig | dict, section: str) -> list[str]:
+    """`section.key` names whose values differ between two configs (keys both of them have: one
+    that only one side knows came with another version of the schema, not from the user)."""
+    mine, theirs = (section_values(cfg, section) for cfg in (ours, saved))
+    return [f"{section}.{k}" for k in sorted(set(mine) & set(theirs)) if mine[k] != theirs[k]]
+
+
+def changes_by_kind(ours: DictConfig | dict, saved: DictConfig | dict, sections=tuple(RESUME_SCHEMAS)) -> dict:
+    """The changed `section.key` names of `sections`, by resume kind (`fixed`, `changes`, `free`)."""
+    found: dict[str, list[str]] = {kind: [] for kind in RESUME_KINDS}
+    for section in sections:
+        kinds = resume_kinds(RESUME_SCHEMAS[section])
+        for key in changed_keys(ours, saved, section):
+            found[kinds[key.split(".", 1)[1]]].append(key)
+    return found
+
+
+def identity_changes(ours: DictConfig | dict, saved: DictConfig | dict) -> list[str]:
+    """The changed keys the meaning of a draft's weights depends on (the verifier, the architecture):
+    neither a resume nor a warm start may change them."""
+    return changes_by_kind(ours, saved, IDENTITY_SECTIONS)["fixed"]
 
 
 def resume_point(cfg: TrainConfig, run_dir: Path, full_cfg: DictConfig) -> Path | None:
@@ -98,23 +117,19 @@ def resume_point(cfg: TrainConfig, run_dir: Path, full_cfg: DictConfig) -> Path 
                 "to delete it and start over"
             )
         return None
-    if cfg.init_from is not None:
-        raise UserError(
-            f"train.init_from is set but {run_dir} already has checkpoints to resume; use a new train.run_name"
-        )
     saved = OmegaConf.load(latest / CONFIG_FILE)
-    for section in ("target", "model"):
-        changed = changed_keys(full_cfg, saved, section)
-        if changed:
-            raise UserError(
-                f"cannot resume {latest}: {changed} differ from its {CONFIG_FILE}; "
-                "restore them or start a new train.run_name (optionally with train.init_from)"
-            )
-    changed = changed_keys(full_cfg, saved, "loss") + changed_keys(full_cfg, saved, "train", SCHEDULE_KEYS)
+    changes = changes_by_kind(full_cfg, saved)
+    if changes["fixed"]:
+        raise UserError(
+            f"cannot resume {latest}: {changes['fixed']} differ from its {CONFIG_FILE} (its weights, their start "
+            "or its sample plan depend on them, whatever train.allow_resume_changes says); restore them or start "
+            "a new train.run_name (optionally with train.init_from)"
+        )
+    changed = changes["changes"]
     if changed and not cfg.allow_resume_changes:
         raise UserError(
             f"cannot resume {latest}: {changed} differ from its {CONFIG_FILE} (the run would continue with "
-            "another objective or schedule); restore them, start a new train.run_name with train.init_from, "
+            "another objective, schedule or held-out metric); restore them, start a new train.run_name with train.init_from, "
             "or set train.allow_resume_changes=true to continue anyway"
         )
     return latest
@@ -127,4 +142,11 @@ def clear_run(run_dir: Path) -> None:
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
 
 
-__all__ = ["SCHEDULE_KEYS", "clear_run", "earlier_work", "resume_point"]
+__all__ = [
+    "RESUME_SCHEMAS",
+    "changes_by_kind",
+    "clear_run",
+    "earlier_work",
+    "identity_changes",
+    "resume_point",
+]

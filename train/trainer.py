@@ -2,8 +2,9 @@
 
 The base class owns everything that is not specific to the draft: the step plan over the
 store, background loading, gradient accumulation under DDP, the loss normalizer shared by
-all ranks, AdamW with warmup + cosine, clipping, checkpoints and exact resume, evaluation
-cadence, best-checkpoint tracking and reporting. The loss normalizer and the handling of a
+all ranks, AdamW with warmup + cosine, clipping, skipping a step whose loss or gradient is
+not finite (on every rank alike), checkpoints and exact resume, evaluation cadence,
+best-checkpoint tracking (a non-finite metric is never best) and reporting. The loss normalizer and the handling of a
 rank with nothing to score live here, in `train_step`, and nowhere else: the step's loss is
 the sum of every micro-batch's weighted loss over all ranks divided by `norm`, the sum of
 their `norm_weight`s; a micro-batch with `norm_weight` 0 (or a rank with no data, which runs
@@ -30,47 +31,17 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from omegaconf import OmegaConf
 from torch import nn
 
 from dspark.errors import UserError
-from train.checkpoint import CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
+from train.checkpoint import CONFIG_FILE, CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
 from train.config import TrainConfig
 from train.data import Batch, StepDataset, StoreSplit, TimedLoader
 from train.ema import WeightAverage
+from train.optim import load_state_by_name, make_optimizer, name_unnamed_groups, warmup_cosine
 from train.reporting import Reporter
 from train.sampler import StepPlanner, share_of_rank
-
-
-def covers(prefix: str, name: str) -> bool:
-    """Whether module path `prefix` (`*` stands for any one component) covers parameter `name`."""
-    want, have = prefix.split("."), name.split(".")
-    return len(have) >= len(want) and all(w in ("*", h) for w, h in zip(want, have))
-
-
-def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW as every run uses it: the fused kernel (one pass over each parameter instead of a
-    chain of foreach ops; ~10x faster on CPU at a 0.5B verifier's draft, see bench train_step).
-
-    `cfg.param_lr_scales()` puts the parameters under each name prefix (a module path, where `*`
-    stands for any one component: `layers.*.mlp`) in a param group of its own at `cfg.lr` × its
-    multiplier (the longest matching prefix wins); the rest train at `cfg.lr`. A prefix of
-    `cfg.lr_scales` that matches no trainable parameter is refused.
-    """
-    scales = cfg.param_lr_scales()
-    groups: dict[str | None, list] = {None: [], **{prefix: [] for prefix in scales}}
-    for name, p in named:
-        matches = [prefix for prefix in scales if covers(prefix, name)]
-        longest = max(matches, key=lambda m: (m.count("."), -m.count("*"))) if matches else None
-        groups[longest].append(p)
-    unused = sorted(prefix for prefix in cfg.lr_scales or {} if not groups[prefix])
-    if unused:
-        raise UserError(
-            f"train.lr_scales: {unused} match no trainable parameter (prefixes are module paths, e.g. layers, fc)"
-        )
-    param_groups = [{"params": ps, "lr": cfg.lr * scales.get(prefix, 1.0)} for prefix, ps in groups.items() if ps]
-    return torch.optim.AdamW(
-        param_groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay, fused=True
-    )
 
 
 @dataclass
@@ -89,14 +60,8 @@ class LoopState:
     """Step of the last held-out evaluation (a rerun does not evaluate or log that step again)."""
     last_eval: dict[str, float] = field(default_factory=dict)
     """Metrics of that evaluation (what the export reports)."""
-
-
-def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup over `warmup` steps, then cosine down to `min_ratio`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    nonfinite_steps: int = 0
+    """Steps skipped because their loss or gradient was not finite (nan/inf), over the whole run."""
 
 
 class Trainer:
@@ -133,13 +98,14 @@ class Trainer:
         model.to(accelerator.device)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        self.param_names = [n for n, _ in named]
+        self.nonfinite_in_a_row = 0
         self.optimizer = make_optimizer(named, cfg)
         self.ema = None if cfg.ema_decay is None else WeightAverage(self.params, self.optimizer, cfg.ema_decay)
         warmup = max(1, math.ceil(cfg.warmup_ratio * self.total_steps)) if cfg.warmup_ratio > 0 else 0
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            partial(warmup_cosine, total=self.total_steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
-        )
+        # The schedule is a function of the step and this config alone (nothing of it is restored):
+        # a resume that changes lr, warmup or the length follows the new values from its first step.
+        self.lr_factor = partial(warmup_cosine, total=self.total_steps, warmup=warmup, min_ratio=cfg.min_lr_ratio)
         self.state = LoopState()
         self.saved_step: int | None = None
         if resume_from is not None:
@@ -285,6 +251,7 @@ class Trainer:
         local_norm = torch.stack([b["norm_weight"].double() for b in micro_batches]).sum()
         norm = self.reduce_sum({"norm": local_norm})["norm"].float()
         sums: dict[str, torch.Tensor] = {}
+        local_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             scored = bool(batch["norm_weight"] > 0)
             batch = self.to_device(batch)
@@ -299,20 +266,45 @@ class Trainer:
                     # parameter on every rank: keep them all in the graph, at zero weight.
                     loss = loss + 0.0 * sum(p.sum() for p in self.params)
                 acc.backward(loss * acc.num_processes)
+            local_loss = local_loss + loss.detach().float()
             logs["num_tokens"] = batch["num_tokens"]
             for k, v in logs.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf)
-        lr = self.scheduler.get_last_lr()[0]
-        if norm > 0:  # a step with nothing to score (every rank empty) leaves the weights alone
+        # A nan/inf loss or gradient on any rank skips the step on every rank: the flag is summed
+        # over ranks with the logs, so each rank reads the same total and decides the same.
+        sums["nonfinite"] = (~torch.isfinite(local_loss) | ~torch.isfinite(grad_norm)).double()
+        totals = self.reduce_sum(sums)
+        skipped = bool(totals.pop("nonfinite") > 0)
+        factor = self.lr_factor(self.state.step)
+        if norm > 0 and not skipped:  # a step with nothing to score (every rank empty) leaves the weights alone
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * factor
             self.optimizer.step()
             if self.ema is not None:
                 self.ema.update(self.state.step + 1)
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.summarize(self.reduce_sum(sums))
-        out.update(lr=lr, grad_norm=float(grad_norm))
+        self.count_nonfinite(skipped)
+        out = self.summarize(totals)
+        out.update(lr=self.cfg.lr * factor, grad_norm=float(grad_norm), nonfinite_steps=self.state.nonfinite_steps)
         return out
+
+    def count_nonfinite(self, skipped: bool) -> None:
+        """Count a skipped step; stop after `train.max_nonfinite_steps` of them in a row."""
+        if not skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.state.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        step, streak = self.state.step + 1, self.nonfinite_in_a_row
+        self.reporter.message(f"step {step}: the loss or gradient is not finite; update skipped ({streak} in a row)")
+        if streak >= self.cfg.max_nonfinite_steps:
+            raise UserError(
+                f"steps {step - streak + 1}..{step}: {streak} steps in a row had a non-finite loss or gradient "
+                f"(train.max_nonfinite_steps={self.cfg.max_nonfinite_steps}); the run diverged or its data holds "
+                "nan/inf. Lower train.lr (or set train.grad_clip), check the stores, then resume from the last "
+                "checkpoint"
+            )
 
     def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Turn the rank-summed train logs into reported figures (override for ratios)."""
@@ -335,6 +327,11 @@ class Trainer:
 
     def track_best(self, metrics: dict[str, float]) -> bool:
         value = metrics[self.best_metric_name]
+        if not math.isfinite(value):  # `nan <= best` is false: without this a nan would become best
+            self.reporter.message(
+                f"step {self.state.step}: held-out {self.best_metric_name} is {value}, never the best"
+            )
+            return False
         if self.state.best_value is not None and value <= self.state.best_value:
             return False
         self.state.best_value, self.state.best_step = value, self.state.step
@@ -354,7 +351,6 @@ class Trainer:
             self.state.step,
             model=self.raw_model,
             optimizer=self.optimizer,
-            scheduler=self.scheduler,
             state={**asdict(self.state), "plan": self.plan_identity(), "world_size": self.accelerator.num_processes},
             config_yaml=self.config_yaml,
             files=self.run_files,
@@ -362,7 +358,8 @@ class Trainer:
         )
 
     def restore(self, model: nn.Module, path: Path) -> None:
-        """Exact resume: weights, optimizer, scheduler, RNG and loop position from `path`."""
+        """Exact resume: weights, each parameter's optimizer state, RNG and loop position from `path`
+        (the LR schedule is this config's: see `lr_factor`)."""
         ckpt = read_checkpoint(path, self.accelerator.process_index)
         state = ckpt["state"]
         if state["step_in_epoch"] and state["plan"] != self.plan_identity():
@@ -373,14 +370,9 @@ class Trainer:
                 "or warm-start a new run with train.init_from"
             )
         load_trainable_state(model, ckpt["weights"], path)
-        saved_groups = len(ckpt["optimizer"]["param_groups"])
-        if saved_groups != len(self.optimizer.param_groups):
-            raise UserError(
-                f"{path}: its optimizer has {saved_groups} param group(s), this run {len(self.optimizer.param_groups)} "
-                "(train.lr_scales groups the parameters): resume with the checkpoint's train.lr_scales, "
-                "or warm-start a new run with train.init_from"
-            )
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
+        saved = ckpt["optimizer"]
+        if any("param_names" not in group for group in saved["param_groups"]):
+            saved = name_unnamed_groups(saved, self.param_names, OmegaConf.load(path / CONFIG_FILE).train, path)
+        load_state_by_name(self.optimizer, saved, path)
         restore_rng(ckpt["rng"])
-        self.state = LoopState(**{k: state[k] for k in asdict(LoopState())})
+        self.state = LoopState(**{k: state[k] for k in asdict(LoopState()) if k in state})
