@@ -24,7 +24,7 @@ from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
 from extract.data.mix import load_and_select
 from extract.data.output import SPLITS, publish
-from extract.data.problems import Problems, RowError
+from extract.data.problems import Problems, RowError, row_error
 from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, regenerate
 from extract.data.sources import Conversation
 from extract.data.split import eval_fingerprints, prompt_fingerprint
@@ -156,8 +156,8 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
             if "error" in entry:
                 raise RowError(entry["error"], entry.get("detail"))
             ids, mask, unscored = chat.encode_turns(entry["messages"], entry["finished"], conv.tools)
-        except RowError as err:
-            dropped.add_error(err, where)
+        except Exception as err:  # as reading a row: whatever fails for one sample costs that sample only
+            dropped.add_error(row_error(err), where)
             continue
         if len(ids) > max_length:
             ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1

@@ -92,9 +92,10 @@ class Journal:
             try:
                 entry = json.loads(line)
                 self.entries[int(entry["sample_id"])] = entry
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(
-                    f"{path} line {line_no}: corrupt journal entry ({err}); delete the file to redo it"
+            except (ValueError, KeyError, TypeError, RecursionError) as err:
+                raise UserError(
+                    f"{path} line {line_no}: corrupt journal entry ({type(err).__name__}: {err}); "
+                    "delete the file to redo it"
                 ) from err
 
     def append(self, entry: dict) -> None:
