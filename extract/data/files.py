@@ -61,18 +61,19 @@ def json_array_rows(path: Path) -> Iterator[Row]:
     if pos < 0 or text[:pos].strip():
         raise UserError(f"data.path={str(path)!r}: expected a JSON array of conversations")
     decoder, pos, index = json.JSONDecoder(), pos + 1, 0
+    closing = len(text.rstrip()) - 1  # where the array's closing bracket must be: last in the file
     while True:
         pos = _skip_separators(text, pos)
         where = f"{path.name} item {index}"
         if pos >= len(text):
             yield index, where, RowError("truncated file", f"array not closed at char {pos}")
             return
-        if text[pos] == "]":
+        if pos == closing and text[pos] == "]":
             return
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except (ValueError, RecursionError) as err:  # JSONDecodeError, an over-long integer, deep nesting
-            resume = _resume_at(text, decoder, pos)
+            resume = _resume_at(text, decoder, pos, closing)
             if resume is None:
                 detail = f"{type(err).__name__} at char {pos}; the last {len(text) - pos} chars are unread"
                 yield index, where, RowError("truncated file", detail)
@@ -84,35 +85,44 @@ def json_array_rows(path: Path) -> Iterator[Row]:
         index += 1
 
 
-def _resume_at(text: str, decoder: json.JSONDecoder, start: int) -> int | None:
-    """Where reading resumes after the item at `start` failed to parse. Its end, when its brackets still
-    balance (outside strings) and a `,` or `]` follows: the item was whole, only its content was bad (an
-    over-long number, deep nesting, a typo). Else its structure is damaged, and reading resumes at the
-    next object after a comma that parses, holds a conversation and is followed by `,` or `]` (an item,
-    not a message inside one), or at the closing bracket that ends the file; None when neither follows
-    (the file is cut off)."""
+def _resume_at(text: str, decoder: json.JSONDecoder, start: int, closing: int) -> int | None:
+    """Where reading resumes after the item at `start` failed to parse; None: nowhere (the file is cut off).
+
+    The next whole item is the first object after a comma that parses, holds a conversation and is
+    followed by `,` or the closing bracket (an item, not a message inside one). The failed item's own
+    end, where its brackets (outside strings) balance before a `,` or the closing bracket, comes first when it lies before that next
+    item: the item was whole and only its content bad (an over-long number, deep nesting, a typo), and
+    the item after it, maybe bad as well, is read on its own. Otherwise the damage spans everything up
+    to the next whole item, or up to the closing bracket that ends the file.
+    """
+    following = _next_item(text, decoder, start + 1, closing)
     depth = 0
-    for token in _STRUCTURE.finditer(text, start):
-        if token.group() in "[{":
-            depth += 1
-        elif token.group() in "]}":
-            depth -= 1
+    for token in _STRUCTURE.finditer(text, start, len(text) if following is None else following):
+        depth += 1 if token.group() in "[{" else -1 if token.group() in "]}" else 0
         if depth == 0:
-            after = _skip_separators(text, token.end(), " \t\r\n")
-            if text[after : after + 1] in (",", "]"):
+            if _ends_item(text, token.end(), closing):
                 return token.end()
             break
-    pos = start + 1
+    if following is not None:
+        return following
+    return closing if closing > start and text[closing] == "]" else None
+
+
+def _next_item(text: str, decoder: json.JSONDecoder, pos: int, closing: int) -> int | None:
     for match in _NEXT_OBJECT.finditer(text, pos):
         try:
             obj, end = decoder.raw_decode(text, match.end())
         except (ValueError, RecursionError):
             continue
-        after = _skip_separators(text, end, " \t\r\n")
-        if isinstance(obj, dict) and any(k in obj for k in ROW_KEYS) and text[after : after + 1] in (",", "]"):
+        if isinstance(obj, dict) and any(k in obj for k in ROW_KEYS) and _ends_item(text, end, closing):
             return match.end()
-    end = len(text.rstrip())
-    return end - 1 if end > pos and text[end - 1] == "]" else None
+    return None
+
+
+def _ends_item(text: str, pos: int, closing: int) -> bool:
+    """A `,` or the array's closing bracket follows `pos` (after whitespace)."""
+    after = _skip_separators(text, pos, " \t\r\n")
+    return text[after : after + 1] == "," or (after == closing and text[after] == "]")
 
 
 def _skip_separators(text: str, pos: int, chars: str = " \t\r\n,") -> int:
