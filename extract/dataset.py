@@ -40,12 +40,14 @@ def check_tokenizer(data_dir: Path, tokenizer_sha256: str, target_name: str) -> 
     path = Path(data_dir) / SUMMARY
     try:
         recorded = json.loads(path.read_text())["target"]["tokenizer_sha256"]
+        if not isinstance(recorded, str):
+            raise TypeError(f"tokenizer_sha256 is a {type(recorded).__name__}")
     except FileNotFoundError:
         raise DatasetError(
             f"{path} not found: extraction needs the tokenized dataset of `python -m extract.data` "
             f"(make data) for this target"
         ) from None
-    except (ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError and JSONDecodeError included
+    except (ValueError, KeyError, TypeError, RecursionError, OSError) as err:  # JSON, UTF-8, unreadable
         raise DatasetError(f"{path}: no target.tokenizer_sha256 recorded ({type(err).__name__}: {err})") from err
     if recorded != tokenizer_sha256:
         raise DatasetError(
@@ -67,6 +69,8 @@ def read_split(data_dir: Path, name: str, *, max_tokens: int, vocab_size: int) -
         raw = path.read_bytes()
     except FileNotFoundError:
         raise DatasetError(f"{path} not found: run `make data` first, or drop {name!r} from extract.splits") from None
+    except OSError as err:
+        raise DatasetError(f"{path}: cannot read it ({type(err).__name__}: {err})") from None
     rows: list[Row] = []
     seen: dict[int, int] = {}
     too_long: list[str] = []
@@ -107,7 +111,7 @@ def _decoded(line: bytes, where: str) -> str:
 def _parse_row(line: str, where: str, vocab_size: int) -> Row:
     try:
         obj = json.loads(line)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # bad syntax, an over-long integer, deep nesting
         raise DatasetError(f"{where}: not valid JSON: {err}") from None
     if not isinstance(obj, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")

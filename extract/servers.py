@@ -130,16 +130,17 @@ def _fresh_dir(path: Path | None) -> None:
         path.mkdir(mode=0o700)
 
 
-def served_model(url: str) -> dict:
-    """The first entry of the server's GET /v1/models (`id`, and `root`: the model it loaded)."""
+def served_model(url: str, setting: str = "extract.server_url") -> dict:
+    """The first entry of the server's GET /v1/models (`id`, and `root`: the model it loaded); `setting`
+    names the config key the URL came from, in the error."""
     url = url.rstrip("/")
     try:
         with httpx.Client(timeout=30) as client:
             resp = client.get(f"{url}/v1/models")
     except httpx.TransportError as err:
         raise UserError(
-            f"no server answers at {url} (extract.server_url): {type(err).__name__}: {err}; start "
-            "it, fix the URL, or set extract.server_url=null to let the stage start its own"
+            f"no server answers at {url} ({setting}): {type(err).__name__}: {err}; start "
+            f"it, fix the URL, or set {setting}=null to let the stage start its own"
         ) from err
     wanted = "HTTP 200 with JSON {'data': [{'id': <model>, ...}]} from GET /v1/models"
     try:
@@ -160,14 +161,14 @@ def served_model(url: str) -> dict:
     return data[0]
 
 
-def check_served_model(url: str, model: dict, verifier: Target) -> None:
+def check_served_model(url: str, model: dict, verifier: Target, setting: str = "extract.server_url") -> None:
     """Refuse an external server whose model is not the target (by name: all that can be checked up front)."""
     ours = {verifier.name_or_path, str(verifier.model_dir), str(Path(verifier.model_dir).resolve())}
     theirs = {model.get("id"), model.get("root")}
     if not ours & theirs:
         raise UserError(
             f"the server at {url} serves {model.get('id')!r} (loaded from {model.get('root')!r}), not the target "
-            f"{verifier.name_or_path!r}: point extract.server_url at a server of the target, or start it with "
+            f"{verifier.name_or_path!r}: point {setting} at a server of the target, or start it with "
             f"--served-model-name {verifier.name_or_path}"
         )
 

@@ -22,6 +22,7 @@ import pytest
 from conftest import make_tiny_qwen3
 from hydra import compose, initialize_config_dir
 
+from dspark.errors import UserError
 from extract.data.__main__ import run
 from extract.data.config import SourceConfig
 from extract.data.pipeline import _cut_turns
@@ -321,14 +322,27 @@ def test_journal_redoes_a_conversation_whose_tools_or_kept_calls_changed(tmp_pat
     journal = Journal(tmp_path / "j.jsonl")
     journal.append({"sample_id": 1, "prompt_sha": prompt_sha(conv.messages, conv.tools)})
     other_reply = [*messages[:3], {"role": "assistant", "content": "one"}]
-    assert pending([conv, replace(conv, messages=other_reply)], journal) == []  # replies are not prompts
+    assert pending([conv, replace(conv, messages=other_reply)], journal, 3) == []  # replies are not prompts
     other_call = [
         messages[0],
         {**messages[1], "tool_calls": [{**call, "function": {"name": "lookup", "arguments": {"q": "y"}}}]},
         *messages[2:],
     ]
     changed = [replace(conv, messages=other_call), replace(conv, tools=None)]
-    assert pending(changed, journal) == changed
+    assert pending(changed, journal, 3) == changed
+
+
+def test_failed_entries_are_pending_until_their_attempts_are_spent(tmp_path):
+    convs = [Conversation(i, [{"role": "user", "content": f"q{i}"}]) for i in range(4)]
+    journal = Journal(tmp_path / "j.jsonl")
+    sha = [prompt_sha(c.messages) for c in convs]
+    journal.append({"sample_id": 0, "prompt_sha": sha[0], "messages": [], "finished": []})  # done
+    journal.append({"sample_id": 1, "prompt_sha": sha[1], "error": "rejected by server"})  # an older journal's
+    journal.append({"sample_id": 2, "prompt_sha": sha[2], "error": "rejected by server", "attempts": 3})
+    journal.append({"sample_id": 3, "prompt_sha": sha[3], "error": "rejected by server", "attempts": 2})
+    assert [c.sample_id for c in pending(convs, journal, 3)] == [1, 3]
+    assert [c.sample_id for c in pending(convs, journal, 4)] == [1, 2, 3]
+    assert pending(convs, journal, 1) == []
 
 
 # ---------------------------------------------------------------- regeneration on a real vLLM server
@@ -513,3 +527,63 @@ def test_regenerated_mix_resumes_with_its_counts_and_splits(vllm_url, servable_q
     for entry in with_tools:
         assert [m["role"] for m in entry["messages"]] == ["user", "assistant", "tool", "assistant"]
         assert entry["messages"][1]["tool_calls"] == [call] and len(entry["finished"]) == 2
+
+
+@pytest.mark.vllm
+def test_failed_requests_are_retried_by_reruns_up_to_max_attempts(vllm_url, servable_qwen3_dir, tmp_path, capsys):
+    """A target configured for 4096 tokens on a server started with 1024: the long prompt's request
+    gets HTTP 400. It is left out and reported, and reruns try it again until max_attempts is spent."""
+    lines = [sharegpt(f"Short question {i}?") for i in range(3)] + [sharegpt("Count: " + "word " * 1500)]
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    out = tmp_path / "out"
+    cfg = stage_config(
+        servable_qwen3_dir,
+        out,
+        "data=jsonl",
+        f"data.path={prompts}",
+        f"regen.server_url={vllm_url}",
+        "regen.max_new_tokens=4",
+        "regen.max_attempts=2",
+        "target.max_model_len=4096",
+        "tokenize.min_loss_tokens=1",
+        "data.eval_fraction=0",
+    )
+
+    def failures(summary):
+        return summary["regeneration"]["failed"], summary["regeneration"]["failures"]
+
+    first = run(cfg)
+    err = capsys.readouterr().err
+    assert "warning: regeneration failed for 1 conversation(s) (rejected by server: 1)" in err
+    assert "1 will be retried by a rerun, 0 failed regen.max_attempts=2 times" in err
+    assert failures(first) == (
+        1,
+        {"max_attempts": 2, "by_reason": {"rejected by server": 1}, "retried_by_a_rerun": 1, "not_retried": 0},
+    )
+    assert first["dropped"]["samples"]["rejected by server"]["locations"] == ["sample 4"]
+    assert sorted(r["sample_id"] for r in read_rows(out)) == [1, 2, 3]
+    entries = journal_entries(out)
+    (failed,) = [e for e in entries if "error" in e]
+    assert failed["sample_id"] == 4 and failed["attempts"] == 1 and "1024" in failed["detail"]  # the server's reason
+
+    second = run(cfg)  # the rerun sends the failed request again, and only that one
+    assert "1 to do (1 retried after a failed attempt), 3 already in" in capsys.readouterr().out
+    assert journal_entries(out)[: len(entries)] == entries
+    assert [(e["sample_id"], e["attempts"]) for e in journal_entries(out)[len(entries) :]] == [(4, 2)]
+    assert failures(second)[1]["not_retried"] == 1 and failures(second)[1]["retried_by_a_rerun"] == 0
+
+    third = run(cfg)  # max_attempts spent: nothing is sent, the failure is still reported
+    captured = capsys.readouterr()
+    assert "0 to do, 4 already in" in captured.out and "0 will be retried by a rerun, 1 failed" in captured.err
+    assert len(journal_entries(out)) == len(entries) + 1 and failures(third) == failures(second)
+    assert third["regeneration"]["server"] == {"id": str(servable_qwen3_dir), "root": str(servable_qwen3_dir)}
+
+
+@pytest.mark.vllm
+def test_a_server_running_another_model_is_refused(vllm_url, servable_qwen3_dir, tmp_path):
+    other = make_tiny_qwen3(tmp_path / "other-model", hidden=128, seed=1)  # the same shapes, another model
+    prompts = write_lines(tmp_path / "p.jsonl", [sharegpt("A question?")])
+    cfg = stage_config(other, tmp_path / "out", "data=jsonl", f"data.path={prompts}", f"regen.server_url={vllm_url}")
+    with pytest.raises(UserError, match=f"serves '{servable_qwen3_dir}'.*not the target '{other}'.*regen.server_url"):
+        run(cfg)
+    assert not list((tmp_path / "out").glob("regen-*"))  # refused before anything is journaled

@@ -3,11 +3,13 @@ an empty file, a missing file, and a lone surrogate, through the real stage entr
 
 from __future__ import annotations
 
+import gzip
 import json
 import resource
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from dspark.errors import UserError
 from extract.data.__main__ import run
 from extract.data.config import SourceConfig
 from extract.data.sources import load_source
+from extract.dataset import DatasetError, check_tokenizer, read_split
 
 CORPUS = Path(__file__).parent / "data" / "bad_rows.jsonl"
 # line -> why it is unusable; every other non-blank line is a good row
@@ -200,3 +203,132 @@ def test_hf_source_reads_one_data_file(tmp_path):
     data = load_source(SourceConfig("hf", str(path), None, "train", None, 0, None, 0.0))
     assert [c.messages for c in data.conversations] == [[{"role": "user", "content": "Hi?"}]]
     assert data.problems.to_dict()["unknown role"]["locations"] == [f"{path} row 1"]
+
+
+# ---------------------------------------------------------------- whatever is wrong inside a row costs that row
+
+
+def openai_row(prompt: str, call: dict | None = None) -> dict:
+    reply = {"role": "assistant", "content": None, "tool_calls": [call]} if call else {"role": "assistant"}
+    return {"messages": [{"role": "user", "content": prompt}, reply | ({} if call else {"content": "An answer."})]}
+
+
+def test_surrogates_in_tool_calls_cost_their_row_only(tiny_qwen3_dir, tmp_path):
+    """A lone surrogate in a call's arguments or id once reached the prompt fingerprint (UnicodeEncodeError)."""
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}
+    bad_calls = [
+        {**call, "function": {"name": "lookup", "arguments": {"q": "x\ud800"}}},  # in an object argument
+        {**call, "function": {"name": "lookup", "arguments": '{"q": "\\ud800"}'}},  # escaped inside JSON text
+        {**call, "id": "call_\udfff"},  # in the call's id
+        {**call, "function": {"name": "look\ud800", "arguments": {}}},  # in the function name
+    ]
+    rows = [openai_row(f"Question {i}?") for i in range(3)] + [openai_row("Look it up.", c) for c in bad_calls]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json.dumps writes "\ud800" escapes
+    summary = run(
+        stage_config(
+            tiny_qwen3_dir,
+            tmp_path / "out",
+            "data=jsonl",
+            f"data.path={path}",
+            "regen.enabled=false",
+            "tokenize.min_loss_tokens=1",
+            "data.eval_fraction=0",
+        )
+    )
+    dropped = summary["dropped"]["source"]
+    assert list(dropped) == ["invalid Unicode"] and dropped["invalid Unicode"]["locations"] == [
+        f"p.jsonl line {n}" for n in (4, 5, 6, 7)
+    ]
+    examples = dropped["invalid Unicode"]["examples"]
+    assert examples[0].startswith("p.jsonl line 4: message 1 tool_calls[0].function.arguments.q: lone surrogate")
+    assert examples[2].startswith("p.jsonl line 6: message 1 tool_calls[0].id: lone surrogate '\\udfff'")
+    assert sorted(r["sample_id"] for r in read_rows(tmp_path / "out")) == [1, 2, 3]
+
+
+HUGE = "9" * 5000  # over Python's 4,300-digit limit for int(): json.loads raises ValueError
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError
+# arguments as JSON text nested 150 deep: it parses, but deeper than any later step should have to walk
+NESTED_ARGS = json.dumps(
+    openai_row("Call it.", {"function": {"name": "f", "arguments": '{"a": ' * 150 + "1" + "}" * 150}})
+)
+
+
+@pytest.mark.parametrize("form", ["jsonl", "sharegpt"])
+def test_huge_numbers_and_deep_nesting_cost_their_row_only(tmp_path, form):
+    good = [json.dumps(openai_row(f"Question {i}?")) for i in range(3)]
+    bad = [
+        ("unreadable row", '{"messages": [{"role": "user", "content": "n"}], "n": ' + HUGE + "}"),
+        ("unreadable row", '{"messages": [{"role": "user", "content": ' + HUGE + "}]}"),
+        ("nested too deeply", '{"messages": ' + DEEP + "}"),
+        ("nested too deeply", NESTED_ARGS),
+        # a call's arguments as JSON text too deep to parse: that parse fails inside the row
+        (
+            "malformed tool call",
+            json.dumps(openai_row("Call it.", {"function": {"name": "f", "arguments": "[" * 3000}})),
+        ),
+    ]
+    items = [good[0], *(text for _, text in bad), good[1], good[2]]
+    if form == "jsonl":
+        path = tmp_path / "p.jsonl"
+        path.write_text("\n".join(items) + "\n")
+        data = load_source(jsonl(path))
+        first = 1
+    else:
+        path = tmp_path / "p.json"
+        path.write_text("[" + ",\n".join(items) + "]")
+        data = load_source(SourceConfig("sharegpt", str(path), None, "train", None, 0, None, 0.0))
+        first = 0
+    assert data.rows == len(items)
+    assert [c.sample_id for c in data.conversations] == [first, first + 6, first + 7]
+    assert data.problems.counts() == dict(Counter(reason for reason, _ in bad))
+    examples = {r: p["examples"] for r, p in data.problems.to_dict().items()}
+    assert "4300" in examples["unreadable row"][0] and "limit" in examples["unreadable row"][0]
+    assert "deeper than 100 levels" in examples["nested too deeply"][1]
+
+
+def test_truncated_gzip_keeps_the_rows_before_the_damage_and_a_corrupt_one_is_refused(tmp_path):
+    lines = [json.dumps(openai_row(f"Question {i} " + "word " * (i % 50))) for i in range(3000)]
+    whole = gzip.compress(("\n".join(lines) + "\n").encode())
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    data = load_source(jsonl(path))
+    kept = [c.sample_id for c in data.conversations]
+    assert 1000 < len(kept) < 3000 and kept == list(range(1, len(kept) + 1))  # every row before the damage
+    damage = data.problems.to_dict()["damaged file"]
+    assert damage["locations"] == [f"p.jsonl.gz line {len(kept) + 1}"]  # the line the cut goes through
+    assert f"unread from line {len(kept) + 1} on" in damage["examples"][0] and "cut short" in damage["examples"][0]
+    assert data.problems.counts() == {"damaged file": 1}
+    # Bytes changed in the middle: the checksum at the end disagrees, so no row read before it can be trusted.
+    path.write_bytes(whole[: len(whole) // 2] + b"\0" * 16 + whole[len(whole) // 2 + 16 :])
+    with pytest.raises(UserError, match="checksum does not match: no row of it can be trusted"):
+        load_source(jsonl(path))
+
+
+@pytest.mark.parametrize(
+    "source, name, content, message",
+    [
+        ("jsonl", "plain.jsonl.gz", b'{"messages": []}\n', "cannot read the file \\(it is not gzip-compressed"),
+        ("jsonl", "cut.jsonl.gz", gzip.compress(b"x" * 100)[:15], "cannot read the file: EOFError: .* cut short"),
+        ("sharegpt", "missing.json", None, "no such JSON file"),
+        ("sharegpt", "a_dir", "dir", "no such JSON file"),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_one_user_error(tiny_qwen3_dir, tmp_path, source, name, content, message):
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    cfg = stage_config(tiny_qwen3_dir, tmp_path / "out", f"data={source}", f"data.path={path}", "regen.enabled=false")
+    with pytest.raises(UserError, match=f"data.path='{path}': {message}"):
+        run(cfg)
+
+
+def test_a_damaged_tokenized_split_is_one_dataset_error(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"sample_id": 0, "input_ids": [1], "loss_mask": [1]}\n' + DEEP + "\n")
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: not valid JSON: maximum recursion depth"):
+        read_split(tmp_path, "train", max_tokens=8, vocab_size=10)
+    (tmp_path / "summary.json").write_text('{"target": {"tokenizer_sha256": ' + HUGE + "}}")
+    with pytest.raises(DatasetError, match="no target.tokenizer_sha256 recorded"):
+        check_tokenizer(tmp_path, "abc", "t")

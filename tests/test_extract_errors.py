@@ -183,12 +183,15 @@ def regenerate_against(url: str, model_dir: Path, root: Path) -> dict:
 
 
 def test_regeneration_names_the_server_and_what_it_expected(fake, tiny_qwen3_dir, tmp_path):
-    dead = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(RegenerationError, match=rf"{dead} \(regen.server_url\): no usable vLLM server"):
+    dead = f"http://127.0.0.1:{free_port()}"  # the server is checked as extraction checks it (extract.servers)
+    with pytest.raises(UserError, match=rf"no server answers at {dead} \(regen.server_url\)"):
         regenerate_against(dead, tiny_qwen3_dir, tmp_path / "dead")
     fake.mode = "garbage"
-    with pytest.raises(RegenerationError, match=rf"{fake.url}.*expected GET /v1/models to answer"):
+    with pytest.raises(UnexpectedAnswer, match=rf"{fake.url}.*expected HTTP 200 with JSON \{{'data'.*<html>hello"):
         regenerate_against(fake.url, tiny_qwen3_dir, tmp_path / "garbage")
+    fake.mode = "wrong-model"
+    with pytest.raises(UserError, match=r"serves 'someone/else'.*not the target.*point regen.server_url at"):
+        regenerate_against(fake.url, tiny_qwen3_dir, tmp_path / "wrong-model")
     fake.mode = "bad-completion"
     with pytest.raises(RegenerationError, match=rf"{fake.url}: expected a chat completion .*no message here"):
         regenerate_against(fake.url, tiny_qwen3_dir, tmp_path / "bad-chat")

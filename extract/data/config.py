@@ -93,6 +93,8 @@ class RegenConfig(Checked):
     """Conversations in flight at once."""
     request_timeout_s: float
     """Timeout of one chat-completion request."""
+    max_attempts: int
+    """Runs that try a conversation whose request failed (e.g. HTTP 400) before it is left out for good."""
 
     def __post_init__(self) -> None:
         if self.tool_calls not in TOOL_CALL_MODES:
@@ -104,6 +106,7 @@ class RegenConfig(Checked):
             self.refuse("top_p", "must be in (0, 1]")
         self.at_least(1, "concurrency")
         self.positive("request_timeout_s")
+        self.at_least(1, "max_attempts")
 
 
 @dataclass

