@@ -169,22 +169,25 @@ def vllm_problems(
     return out
 
 
-def servable_problems(drafter, num_speculative_tokens: int | None = None) -> list[Problem]:
+def servable_problems(drafter, num_speculative_tokens: int | None = None, verifier: str | None = None) -> list[Problem]:
     """Every problem, static first; vLLM's verdict is skipped when the static ones already break the files."""
     drafter = Path(drafter)
     problems = static_problems(drafter, num_speculative_tokens)
     if any(p.breaks_export for p in problems):
         return problems
-    from_vllm = vllm_problems([drafter], num_speculative_tokens)[drafter]
+    from_vllm = vllm_problems([drafter], num_speculative_tokens, verifier)[drafter]
     if problems:  # already not servable (a non-vanilla head): vLLM's refusals say how, they break nothing more
         from_vllm = [Problem(p.message, breaks_export=False) for p in from_vllm]
     return problems + from_vllm
 
 
-def check_servable(drafter_dir, num_speculative_tokens: int | None = None) -> None:
-    """Refuse (UserError) a drafter dir vLLM would not serve as trained, with every reason found."""
+def check_servable(drafter_dir, num_speculative_tokens: int | None = None, *, verifier: str | None = None) -> None:
+    """Refuse (UserError) a drafter dir vLLM would not serve as trained, with every reason found.
+
+    `verifier`: the model it will be served with, when not the one its config names.
+    """
     recover_dir(Path(drafter_dir))
-    problems = servable_problems(drafter_dir, num_speculative_tokens)
+    problems = servable_problems(drafter_dir, num_speculative_tokens, verifier)
     if problems:
         reasons = "; ".join(p.message for p in problems)
         raise UserError(f"vLLM would not serve {drafter_dir} as trained: {reasons}")

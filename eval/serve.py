@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> None:
     if not torch.cuda.is_available():
         # vLLM serves DSpark only on its V2 GPU runner; failing here beats a crash deep in the engine.
         raise UserError("make serve: DSpark serving needs a CUDA GPU (vLLM's V2 GPU runner); none found")
-    check_servable(Path(cfg.drafter), serve_cfg.num_speculative_tokens)
+    check_servable(Path(cfg.drafter), serve_cfg.num_speculative_tokens, verifier=str(verifier.model_dir))
     server = VLLMServer(
         verifier.model_dir,
         Path(serve_cfg.run_dir),

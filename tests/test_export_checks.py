@@ -138,9 +138,10 @@ def test_num_speculative_tokens_must_match_a_bidirectional_block(drafters):
     assert static_problems(drafters["causal"], num_speculative_tokens=2) == []
 
 
-def test_check_servable_refuses_what_vllm_refuses(drafters):
+def test_check_servable_refuses_what_vllm_refuses(drafters, tiny_qwen3_dir):
     with pytest.raises(UserError, match="vanilla Markov head.*gate_up_proj"):
         check_servable(drafters["gated"])
+    check_servable(drafters["reduced"], verifier=str(tiny_qwen3_dir))  # as eval.serve calls it
     with pytest.raises(UserError, match="not an exported drafter dir"):
         check_servable(drafters["full"].parent / "nope")
 
