@@ -4,10 +4,12 @@
 A `UserError` (bad input, config or environment, refused on purpose) prints
 `error: <message>` to stderr and exits with status 2, without a traceback and without
 Hydra's "Error executing job"; so does an override Hydra cannot apply (a misspelt key, a
-missing config group option), checked before Hydra runs the stage. Any other exception is
-a bug and keeps its full traceback, except a full disk (or quota, or file-size limit): that
-is the machine's state, not a bug, so it is one `error:` line too. Every stage commits its
-work atomically, so what was committed before the disk filled is kept and a rerun continues.
+missing config group option), checked before Hydra runs the stage. So do the `OSError`s
+that name a path the user gave or the machine's state rather than a bug: a missing file,
+permission denied, not a directory / is a directory, a read-only filesystem, a name too
+long or a symlink loop (`USER_PATH_ERRORS`), and a full disk (or quota, or file-size
+limit). Any other exception is a bug and keeps its full traceback. Every stage commits its
+work atomically, so what was committed before the failure is kept and a rerun continues.
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 EXIT_USER_ERROR = 2
 # a write refused for lack of room: no space, over quota, over the process's file-size limit
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# a path the user named that is not there, not theirs to read or write, or not what it must be
+USER_PATH_ERRORS = {
+    errno.ENOENT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EROFS,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+}
+PATH_ERROR_TYPES = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
 
 
 def fail(message: str) -> None:
@@ -63,12 +77,14 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
             except UserError as err:
                 fail(str(err))
             except OSError as err:
-                if err.errno not in DISK_FULL:
-                    raise
-                fail(
-                    f"{err} - the disk where the stage writes is full: what was committed is kept; "
-                    "free space (or raise the quota) and rerun the same command to continue"
-                )
+                if err.errno in DISK_FULL:
+                    fail(
+                        f"{err} - the disk where the stage writes is full: what was committed is kept; "
+                        "free space (or raise the quota) and rerun the same command to continue"
+                    )
+                if err.errno in USER_PATH_ERRORS or isinstance(err, PATH_ERROR_TYPES):
+                    fail(str(err))
+                raise
 
         hydra_main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)(guarded)
 
@@ -82,4 +98,4 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
     return wrap
 
 
-__all__ = ["DISK_FULL", "EXIT_USER_ERROR", "check_overrides", "fail", "stage_main"]
+__all__ = ["DISK_FULL", "EXIT_USER_ERROR", "USER_PATH_ERRORS", "check_overrides", "fail", "stage_main"]

@@ -11,3 +11,7 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input, config or environment that the user can fix; the message says how."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """A file, directory or store the user named is not there (still a `FileNotFoundError` for callers)."""

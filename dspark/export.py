@@ -10,6 +10,7 @@ the verifier's embedding and full lm_head are reloaded from the verifier.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -18,12 +19,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dspark.atomic_dir import recover_dir, replace_dir, staging_dir
 from dspark.config import DraftConfig
+from dspark.errors import UserError
 from dspark.model import DSparkDraft
+from dspark.servable import CONFIG_FILE, WEIGHTS_FILE, servable_problems, static_problems
 from dspark.verifier import VerifierHead
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 META_FILE = "dspark_meta.json"
 
 
@@ -74,30 +76,47 @@ def drafter_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export_drafter(model: DSparkDraft, out_dir, verifier_name_or_path: str, extra_meta: dict | None = None) -> Path:
-    """Write a speculators-format drafter directory; replaces `out_dir` only once complete."""
+def export_drafter(
+    model: DSparkDraft,
+    out_dir,
+    verifier_name_or_path: str,
+    extra_meta: dict | None = None,
+    vllm_check: bool = True,
+) -> Path:
+    """Write a speculators-format drafter directory, checked against vLLM's loader, and swap it in whole.
+
+    The new directory is written and checked beside `out_dir` and replaces it atomically
+    (`dspark.atomic_dir`): a kill at any moment leaves the old drafter or the new one. A
+    check that finds the files broken (vLLM would refuse or misread them) is a UserError
+    and the old drafter stays; one that finds them valid but not servable by vLLM (a
+    gated or rnn Markov head) is a warning. `vllm_check=False` skips only the vLLM
+    subprocess (`dspark.servable`), not the static checks.
+    """
     out_dir = Path(out_dir)
-    if model.cfg.markov_rank > 0 and model.cfg.markov_type != "vanilla":
-        warnings.warn(
-            f"vLLM serves only the vanilla Markov head; this draft uses {model.cfg.markov_type!r}", stacklevel=2
-        )
     if model.cfg.causal_in_block and model.cfg.sliding_window is None:
         warnings.warn(
             "causal_in_block with full attention: vLLM honours it (is_causal), but speculators' "
             "own DSparkDraftModel treats full-attention layers as bidirectional",
             stacklevel=2,
         )
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    recover_dir(out_dir)
+    staging = staging_dir(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     # to_json_file, not save_pretrained: the latter also copies speculators' config.py beside it.
-    speculators_config(model, verifier_name_or_path).to_json_file(tmp / CONFIG_FILE, use_diff=True)
-    save_file(drafter_tensors(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    speculators_config(model, verifier_name_or_path).to_json_file(staging / CONFIG_FILE, use_diff=True)
+    save_file(drafter_tensors(model), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
     if extra_meta:
-        (tmp / META_FILE).write_text(json.dumps(extra_meta, indent=2, default=str))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+        (staging / META_FILE).write_text(json.dumps(extra_meta, indent=2, default=str))
+    problems = servable_problems(staging) if vllm_check else static_problems(staging)
+    problems = [dataclasses.replace(p, message=p.message.replace(str(staging), str(out_dir))) for p in problems]
+    broken = [p.message for p in problems if p.breaks_export]
+    if broken:
+        shutil.rmtree(staging)
+        raise UserError(f"export to {out_dir} refused, the previous drafter is kept: " + "; ".join(broken))
+    for problem in problems:
+        warnings.warn(f"vLLM cannot serve this drafter as trained: {problem.message}", stacklevel=2)
+    replace_dir(staging, out_dir)
     return out_dir
 
 
@@ -134,18 +153,21 @@ def load_drafter(path, verifier: VerifierHead | None = None, attn_impl: str = "s
     from speculators.config import SpeculatorModelConfig
 
     path = Path(path)
+    recover_dir(path)  # a replace killed midway leaves the old drafter aside
+    if not (path / CONFIG_FILE).is_file():
+        raise UserError(f"{path}: not an exported drafter dir (no {CONFIG_FILE})")
     config = SpeculatorModelConfig.from_pretrained(path)
     if config.speculators_model_type != "dspark":
-        raise ValueError(
+        raise UserError(
             f"{path / CONFIG_FILE}: `speculators_model_type` is {config.speculators_model_type!r}, expected 'dspark'"
         )
     if not config.sample_from_anchor:
-        raise ValueError(
+        raise UserError(
             f"{path / CONFIG_FILE}: `sample_from_anchor` is false (bonus-anchor layout); "
             f"this draft predicts token p+k+1 from slot k and needs it true"
         )
     if config.mask_token_id is None:
-        raise ValueError(f"{path / CONFIG_FILE}: `mask_token_id` is missing")
+        raise UserError(f"{path / CONFIG_FILE}: `mask_token_id` is missing")
     tensors = load_file(str(path / WEIGHTS_FILE))
     model = DSparkDraft(
         _draft_config(config, attn_impl),
@@ -158,7 +180,7 @@ def load_drafter(path, verifier: VerifierHead | None = None, attn_impl: str = "s
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = sorted(set(missing) - model.verifier_owned())
     if missing or unexpected:
-        raise ValueError(
+        raise UserError(
             f"{path / WEIGHTS_FILE} does not match the draft its config describes: "
             f"missing {missing}, unexpected {sorted(unexpected)}"
         )

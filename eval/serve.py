@@ -1,6 +1,7 @@
 """`python -m eval.serve drafter=<dir>` (make serve DRAFTER=...): serve the verifier with the drafter.
 
-Runs the one vLLM lifecycle (`extract.server.VLLMServer`) in the foreground: the verifier
+Checks the drafter against vLLM's loader first (`dspark.servable.check_servable`), then runs
+the one vLLM lifecycle (`extract.server.VLLMServer`) in the foreground: the verifier
 with `--speculative-config {"method": "dspark", "model": <drafter>}` on 127.0.0.1, until Ctrl-C.
 """
 
@@ -17,6 +18,8 @@ from omegaconf import DictConfig
 
 from dspark.config import Checked, TargetConfig, load_section
 from dspark.entry import stage_main
+from dspark.errors import UserError
+from dspark.servable import check_servable, read_config
 from dspark.targets import dataset_target, resolve_target
 from extract.config import ServerConfig
 from extract.server import VLLMServer
@@ -43,9 +46,8 @@ class ServeConfig(Checked):
 
 
 def speculative_config(drafter: Path, cfg: ServeConfig) -> dict:
-    """vLLM's `--speculative-config` for a DSpark drafter directory."""
-    if not (drafter / "config.json").is_file():
-        raise FileNotFoundError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
+    """vLLM's `--speculative-config` for a DSpark drafter directory (a UserError if it is none)."""
+    read_config(drafter)
     spec: dict = {"method": "dspark", "model": str(drafter)}
     if cfg.num_speculative_tokens is not None:
         spec["num_speculative_tokens"] = cfg.num_speculative_tokens
@@ -63,7 +65,8 @@ def main(cfg: DictConfig) -> None:
     spec = speculative_config(Path(cfg.drafter), serve_cfg)
     if not torch.cuda.is_available():
         # vLLM serves DSpark only on its V2 GPU runner; failing here beats a crash deep in the engine.
-        raise SystemExit("make serve: DSpark serving needs a CUDA GPU (vLLM's V2 GPU runner); none found")
+        raise UserError("make serve: DSpark serving needs a CUDA GPU (vLLM's V2 GPU runner); none found")
+    check_servable(Path(cfg.drafter), serve_cfg.num_speculative_tokens, verifier=str(verifier.model_dir))
     server = VLLMServer(
         verifier.model_dir,
         Path(serve_cfg.run_dir),

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from eval_fixtures import build_setup
 
 from dspark.targets import tokenizer_sha256
 
@@ -41,11 +44,43 @@ def write_split(data_dir: Path, model_dir: Path | None, lines: dict[str, str]) -
 GOOD_ROW = json.dumps({"sample_id": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n"
 
 
+def eval_args(setup) -> list[str]:
+    """`python -m eval` on the eval fixture's verifier, store and data (as tests/eval_fixtures.compose_cfg)."""
+    return [
+        sys.executable,
+        "-m",
+        "eval",
+        "target.name=tiny",
+        f"target.name_or_path={setup.verifier_dir}",
+        "target.aux_layer_ids=[1,2,3]",
+        "target.max_model_len=512",
+        f"paths.root={setup.root}",
+        f"eval.data_dir={setup.data_dir}",
+        f"eval.out_dir={setup.root / 'eval'}",
+        "eval.online.enabled=false",
+    ]
+
+
+def broken_copy(src: Path, dst: Path, rel: str, edit) -> Path:
+    """A copy of the directory `src` whose file `rel` is rewritten by `edit(text) -> text`."""
+    shutil.copytree(src, dst)
+    (dst / rel).write_text(edit((dst / rel).read_text()))
+    return dst
+
+
+def mask_token_past_the_vocabulary(text: str) -> str:
+    return json.dumps({**json.loads(text), "mask_token_id": 10**6})
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
     """name -> command line of a stage run that must be refused."""
     tmp = tmp_path_factory.mktemp("cli")
     model = tiny_qwen3_dir
+    setup = build_setup(tmp / "eval-setup")
+    (tmp / "not-a-model").mkdir()
+    not_json = broken_copy(setup.store, tmp / "bad-manifest", "manifest.json", lambda text: text[: len(text) // 2])
+    bad_mask = broken_copy(setup.drafter, tmp / "bad-mask", "config.json", mask_token_past_the_vocabulary)
     (tmp / "empty.jsonl").write_text("")
     extract = [
         sys.executable,
@@ -79,6 +114,36 @@ def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
         "extract.verify: no store": [sys.executable, "-m", "extract.verify", f"store={tmp / 'no-store'}"],
         "eval: no drafter": [sys.executable, "-m", "eval", f"drafter={tmp / 'no-drafter'}", *tiny_target(model)],
         "train: unknown config group option": [sys.executable, "-m", "train", "loss=no-such-loss"],
+        "train: no train store": [
+            sys.executable,
+            "-m",
+            "train",
+            *tiny_target(model),
+            f"paths.root={tmp / 'train-run'}",
+            f"train.train_store={tmp / 'no-store'}",
+        ],
+        "eval.serve: no drafter": [sys.executable, "-m", "eval.serve", "drafter=/nope", *tiny_target(model)],
+        "eval.serve: target dir that is no model": [
+            sys.executable,
+            "-m",
+            "eval.serve",
+            "drafter=/nope",
+            *tiny_target(model),
+            f"target.name_or_path={tmp / 'not-a-model'}",
+        ],
+        "extract.verify: manifest not JSON": [sys.executable, "-m", "extract.verify", f"store={not_json}"],
+        "extract.verify: store path through a file": [
+            sys.executable,
+            "-m",
+            "extract.verify",
+            f"store={not_json / 'manifest.json' / 'store'}",
+        ],
+        "eval: no held-out store": [*eval_args(setup), f"drafter={setup.drafter}", f"eval.store={tmp / 'no-store'}"],
+        "eval: drafter mask token past the verifier vocabulary": [
+            *eval_args(setup),
+            f"drafter={bad_mask}",
+            f"eval.store={setup.store}",
+        ],
     }
 
 
@@ -91,21 +156,25 @@ EXPECTED = {
     "extract.verify: no store": "no shard store",
     "eval: no drafter": "not an exported drafter dir",
     "train: unknown config group option": "no-such-loss",
+    "train: no train store": "no shard store at",  # train/build.py
+    "eval.serve: no drafter": "/nope: not an exported drafter dir",
+    "eval.serve: target dir that is no model": "directory has no config.json",  # dspark/target_dirs.py
+    "extract.verify: manifest not JSON": "manifest.json is malformed",
+    "extract.verify: store path through a file": "Not a directory",  # an OSError at the entry
+    "eval: no held-out store": "no held-out shard store there",  # eval/offline.py
+    "eval: drafter mask token past the verifier vocabulary": "is outside the embedding",  # dspark/model.py
 }
 
 
 @pytest.fixture(scope="module")
 def results(cases) -> dict[str, subprocess.CompletedProcess]:
-    """All stage runs at once (each mostly imports; two cores overlap them)."""
-    procs = {
-        name: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name, cmd in cases.items()
-    }
-    done = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    return done
+    """All stage runs, four at a time (each mostly imports; two cores overlap them)."""
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip(cases, pool.map(run, cases.values()), strict=True))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

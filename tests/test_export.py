@@ -10,14 +10,21 @@ import torch
 from drafts import QWEN3_MASK_TOKEN_ID, draft_config, make_draft, packed_inputs, random_d2t
 from safetensors import safe_open
 
-from dspark.export import export_drafter, load_drafter
+from dspark.export import export_drafter as export_checked
+from dspark.export import load_drafter
 from dspark.verifier import VerifierHead
 
 DRAFT_VOCAB = 2000
 
+
+def export_drafter(*args, **kwargs):
+    """Export without vLLM's subprocess check (tests/test_export_checks.py runs it)."""
+    return export_checked(*args, vllm_check=False, **kwargs)
+
+
 # Gated/rnn variants are exported on purpose here (speculators runs them); the warning itself
-# is checked in test_export_warns_about_what_vllm_cannot_serve.
-pytestmark = pytest.mark.filterwarnings("ignore:vLLM serves only the vanilla Markov head")
+# is checked in test_export_warns_about_what_vllm_cannot_serve and tests/test_export_checks.py.
+pytestmark = pytest.mark.filterwarnings("ignore:vLLM cannot serve this drafter as trained")
 
 # (draft overrides, reduced vocabulary?) — speculators can express each of these layouts.
 VARIANTS = {

@@ -10,6 +10,7 @@ import torch
 from drafts import QWEN3_MASK_TOKEN_ID, draft_config, make_draft, packed_inputs, random_d2t
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
 
+from dspark.errors import UserError
 from dspark.model import DSparkDraft, draft_layer_config
 from dspark.verifier import VerifierHead, resolve_aux_layer_ids, resolve_mask_token_id
 
@@ -371,7 +372,7 @@ def test_forward_before_load_verifier_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_flex_without_cuda_is_refused():
-    with pytest.raises(RuntimeError, match="attn_impl"):
+    with pytest.raises(UserError, match="attn_impl"):
         DSparkDraft(draft_config(attn_impl="flex"), tiny_llama_config(), [1], mask_token_id=299)
 
 

@@ -476,7 +476,7 @@ def test_refuses_a_different_vocab_mapping(world, tmp_path):
 
 
 def test_refuses_more_processes_than_gpus():
-    with pytest.raises(RuntimeError, match="GPUS=3 .* 2 CUDA device"):
+    with pytest.raises(UserError, match="GPUS=3 .* 2 CUDA device"):
         check_devices(3, 2)
     check_devices(2, 2)
     check_devices(4, 0)  # CPU: any number of gloo processes

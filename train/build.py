@@ -17,7 +17,7 @@ from accelerate.utils import ProjectConfiguration
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.config import DraftConfig, LossConfig, TargetConfig, load_section
-from dspark.errors import UserError
+from dspark.errors import MissingInput, UserError
 from dspark.export import load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
@@ -41,7 +41,7 @@ from train.resume import clear_run, identity_changes, resume_point
 def check_devices(processes_per_node: int, cuda_devices: int) -> None:
     """On a CUDA machine every process needs its own GPU (CPU runs may start any number)."""
     if cuda_devices and processes_per_node > cuda_devices:
-        raise RuntimeError(
+        raise UserError(
             f"GPUS={processes_per_node} processes per node but this machine has {cuda_devices} CUDA device(s); "
             f"use GPUS<={cuda_devices}"
         )
@@ -68,7 +68,7 @@ def open_store(url: str, field: str, target: Target) -> ShardStore:
     try:
         store = ShardStore.open(url)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"train.{field}: no shard store at {url} (run `make extract` first): {err}") from err
+        raise MissingInput(f"train.{field}: no shard store at {url} (run `make extract` first): {err}") from err
     target.check_store(store.attrs, f"train.{field}={url}")
     role = {"train_store": "train", "eval_store": "eval"}[field]
     if store.attrs.get("split", role) != role:
@@ -85,7 +85,7 @@ def open_split(
     store = open_store(url, field, target)
     split = StoreSplit.open(store, url, max_tokens, max_samples, every_token)
     if not split.refs:
-        raise ValueError(f"train.{field}={url} has no committed samples: nothing to train or evaluate on")
+        raise UserError(f"train.{field}={url} has no committed samples: nothing to train or evaluate on")
     return split
 
 
@@ -96,7 +96,7 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
     """
     if draft.draft_vocab_size is None or draft.draft_vocab_size == vocab_size:
         if cfg.vocab_mapping is not None:
-            raise ValueError("train.vocab_mapping is set but model.draft_vocab_size is the full vocabulary")
+            raise UserError("train.vocab_mapping is set but model.draft_vocab_size is the full vocabulary")
         return None
     size = draft.draft_vocab_size
     own = mapping_path(run_dir, size)
@@ -112,13 +112,13 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
         return save_mapping(own, given[0], given[1], {**given[2], "copied_from": cfg.vocab_mapping})
     freqs_path = Path(cfg.token_freqs)
     if not freqs_path.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"train.token_freqs: {freqs_path} not found; it is written by `make data` "
             "(or give an existing mapping with train.vocab_mapping)"
         )
     counts = np.load(freqs_path)
     if counts.shape != (vocab_size,):
-        raise ValueError(
+        raise UserError(
             f"train.token_freqs: {freqs_path} has shape {counts.shape}, the verifier vocabulary is {vocab_size}"
         )
     d2t, t2d = build_mapping(counts, size)
@@ -155,7 +155,7 @@ def warm_start(model: DSparkDraft, path: str, full_cfg: DictConfig, verifier_nam
         changed = identity_changes(draft_identity(model, verifier_name_or_path), theirs)
         refuse_other_identity(path, changed, source / "config.json")
         if (other.d2t is None) != (model.d2t is None):
-            raise ValueError(
+            raise UserError(
                 f"train.init_from={path}: one of the drafter and this run has a reduced vocabulary, the other not"
             )
         if model.d2t is not None:
@@ -171,7 +171,7 @@ def warm_start(model: DSparkDraft, path: str, full_cfg: DictConfig, verifier_nam
     if model.d2t is not None:
         files = sorted(ckpt.glob("vocab_map_*.safetensors"))
         if not files:
-            raise ValueError(
+            raise UserError(
                 f"train.init_from={path}: checkpoint has no vocab mapping but this run uses a reduced vocabulary"
             )
         check_same_mapping((model.d2t, model.t2d), load_mapping(files[0]), names=("this run", str(files[0])))

@@ -31,7 +31,9 @@ name by exclusively creating `.writers/<name>.claim` before it creates the group
 names stay `00000, 00001, ...` without ranges per writer; manifest updates are merged
 under a lock. On a local or NFS path the claim and the lock are held with `flock`, which
 the kernel releases when the process dies, so `clean_uncommitted` can tell a live
-writer's unfinished shard from a dead one's at any time. On object storage (any other
+writer's unfinished shard from a dead one's at any time, for writers of this node; a
+claim or lock owner file written on another node (flock may be node-local there) is
+judged by age alone (`files.FOREIGN_CLAIM_STALE_S`); see docs/store-locking.md. On object storage (any other
 fsspec URL) claims and the lock are exclusive creates (`pipe_file(mode="create")`):
 safe only where the backend makes that a conditional write (local, memory, S3 with
 If-None-Match, GCS generation preconditions); fsspec's generic fallback checks then

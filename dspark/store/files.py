@@ -27,6 +27,11 @@ REMOTE_LOCK_STALE_S = 120.0
 # ... and an unfinished shard whose claim is older than this is assumed dead.
 REMOTE_CLAIM_STALE_S = 24 * 3600.0
 LOCK_TIMEOUT_S = 600.0
+# On a POSIX path, a claim or lock file written on another node is judged by age alone, as
+# on object storage: flock may be node-local there (see docs/store-locking.md).
+FOREIGN_CLAIM_STALE_S = REMOTE_CLAIM_STALE_S
+FOREIGN_LOCK_STALE_S = REMOTE_LOCK_STALE_S
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 def json_bytes(obj) -> bytes:
@@ -34,8 +39,17 @@ def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=1) + "\n").encode()
 
 
+def node_id() -> str:
+    """This machine (one kernel, so one flock table): its hostname and, where Linux has one, its boot id."""
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def _claim_info() -> bytes:
-    return json_bytes({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+    return json_bytes({"node": node_id(), "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
 
 
 def _age_s(info: bytes | None) -> float:
@@ -44,6 +58,20 @@ def _age_s(info: bytes | None) -> float:
         return time.time() - float(json.loads(info)["time"])  # type: ignore[arg-type]
     except (TypeError, ValueError, KeyError):
         return float("inf")
+
+
+def _written_here(info: bytes) -> bool:
+    """Whether a claim/lock file was written on this node (then this kernel's flock tells if its writer lives)."""
+    try:
+        return json.loads(info)["node"] == node_id()
+    except (TypeError, ValueError, KeyError):
+        return False  # not yet written, or by an older writer: judged as another node's
+
+
+def _file_age_s(info: bytes, fd: int) -> float:
+    """Age of a claim/lock file: from its content, else (empty: being written) from its mtime."""
+    age = _age_s(info)
+    return age if age != float("inf") else time.time() - os.fstat(fd).st_mtime
 
 
 # ---------------------------------------------------------------------------------------
@@ -66,7 +94,13 @@ class LocalClaim:
 
 
 class LocalFiles:
-    """Store on a POSIX filesystem (local disk or NFS): O_EXCL claims, flock, fsync + rename."""
+    """Store on a POSIX filesystem (local disk or NFS): O_EXCL claims, flock, fsync + rename.
+
+    flock decides liveness only for files written on this node: on NFS, Lustre or BeeGFS
+    mounted with node-local locks another node's flock is invisible here. A claim written
+    on another node is taken over only once `FOREIGN_CLAIM_STALE_S` old; the manifest lock
+    is an exclusively created owner file as well as a flock.
+    """
 
     def __init__(self, root: Path):
         self.root = root
@@ -114,9 +148,49 @@ class LocalFiles:
         with open(self.root / WRITERS / "manifest.lock", "a+b") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released by the kernel if we die
             try:
-                yield
+                owner = self._own_lock()
+                try:
+                    yield
+                finally:
+                    with suppress(FileNotFoundError):
+                        owner.unlink()
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _own_lock(self) -> Path:
+        """Create the manifest lock's owner file exclusively (the flock alone may be node-local)."""
+        path = self.root / WRITERS / "manifest.lock.owner"
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                try:
+                    info = os.read(fd, 4096)
+                    # Under our flock, an owner from this node is dead; one from another, stale only when old.
+                    abandoned = _written_here(info) or _file_age_s(info, fd) > FOREIGN_LOCK_STALE_S
+                finally:
+                    os.close(fd)
+                if abandoned:
+                    with suppress(FileNotFoundError):
+                        path.unlink()
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"manifest lock {path} held by another node for over {LOCK_TIMEOUT_S:.0f} s"
+                    ) from None
+                else:
+                    time.sleep(0.05)
+                continue
+            try:
+                os.write(fd, _claim_info())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return path
 
     def _claim_path(self, name: str) -> Path:
         return self.root / WRITERS / f"{name}.claim"
@@ -133,13 +207,21 @@ class LocalFiles:
         return self._lock_claim(fd, path, info=_claim_info())
 
     def take_over(self, name: str) -> LocalClaim | None:
-        """Claim `name` if nobody holds it (its writer finished or died); None if in use."""
+        """Claim `name` if nobody holds it (its writer finished or died); None if in use.
+
+        A claim written on another node counts as in use until `FOREIGN_CLAIM_STALE_S` old,
+        whatever flock says here (it may not see that node's locks).
+        """
         path = self._claim_path(name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             return self.try_claim(name)
-        return self._lock_claim(fd, path, info=None)
+        info = os.read(fd, 4096)
+        if not _written_here(info) and _file_age_s(info, fd) < FOREIGN_CLAIM_STALE_S:
+            os.close(fd)
+            return None
+        return self._lock_claim(fd, path, info=_claim_info())  # the claim now names its new holder
 
     @staticmethod
     def _lock_claim(fd: int, path: Path, info: bytes | None) -> LocalClaim | None:
@@ -153,7 +235,8 @@ class LocalFiles:
             os.close(fd)
             return None
         if info is not None:
-            os.write(fd, info)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info, 0)
         return LocalClaim(fd, path)
 
     def remove_tree(self, rel: str) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zarr
 
+from dspark.errors import UserError
 from dspark.store.files import LocalFiles, RemoteFiles, files_for
 from dspark.store.format import (
     FORMAT_VERSIONS,
@@ -85,10 +86,10 @@ class ShardStore:
                 if bad:
                     raise ValueError(f"shards[{i}] has missing or mistyped {bad}")
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{self.url}/{MANIFEST} is malformed: {e}") from e
+            raise UserError(f"{self.url}/{MANIFEST} is malformed: {e}") from e
         names = [entry["name"] for entry in entries]
         if len(set(names)) != len(names):
-            raise ValueError(f"{self.url}/{MANIFEST} lists a shard twice")
+            raise UserError(f"{self.url}/{MANIFEST} lists a shard twice")
         return manifest
 
     def refresh(self) -> dict:
