@@ -67,21 +67,22 @@ class DecodeOutput:
 
 
 class Verifier:
-    """A transformers causal LM with its aux hidden states in vLLM's layer-id convention
-    (id k = the residual stream entering decoder layer k, id N = the last layer's output before
-    the final norm), captured by forward pre-hooks."""
+    """A transformers causal LM with its hidden states in vLLM's layer-id convention, captured by
+    forward pre-hooks: id k < N is the residual stream entering decoder layer k (HF's
+    `hidden_states[k]`), id N the last layer's output before the final norm (HF's last
+    `hidden_states` entry is after it)."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
         self.model = model.eval()
-        num_layers = model.config.num_hidden_layers
-        bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
+        self.num_layers = model.config.num_hidden_layers
+        bad = [i for i in aux_layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ValueError(f"aux layer ids {bad} outside [0, {num_layers}] of the verifier")
+            raise ValueError(f"aux layer ids {bad} outside [0, {self.num_layers}) of the verifier")
         self.layer_ids = list(aux_layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
         decoder = model.model
-        for k in self.layer_ids:
-            module = decoder.norm if k == num_layers else decoder.layers[k]
+        for k in [*self.layer_ids, self.num_layers]:
+            module = decoder.norm if k == self.num_layers else decoder.layers[k]
             module.register_forward_pre_hook(lambda _m, args, k=k: self._captured.__setitem__(k, args[0]))
 
     @torch.no_grad()
@@ -97,6 +98,13 @@ class Verifier:
         )
         aux = torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
         return out.logits.float(), aux.float()
+
+    @torch.no_grad()
+    def states(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Aux states [T, m·H] and pre-norm final-layer states [T, H] of one sequence token_ids [T]."""
+        self.model(input_ids=token_ids[None], use_cache=False)
+        aux = torch.cat([self._captured[k][0] for k in self.layer_ids], dim=-1)
+        return aux.float(), self._captured[self.num_layers][0].float()
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -119,7 +127,7 @@ class SpeculativeDecoder:
         self.vocab_size = draft.verifier_vocab_size
         self.target_ids = draft.target_ids.to(self.device)
 
-    def _draft_block(self, ctx, n_ctx, anchor, temperature, generator):
+    def draft_block(self, ctx, n_ctx, anchor, temperature, generator):
         """Drafted target ids [b, B], their draft probabilities in target vocab [b, B, V] (None at
         temperature 0) and confidences [b, B] (None without a confidence head)."""
         b, B = anchor.shape[0], self.block_size
@@ -221,7 +229,7 @@ class SpeculativeDecoder:
         accepted_log, drafted_log, active_log = [], [], []
         while bool((produced < max_new_tokens).any()):
             active = produced < max_new_tokens
-            drafted, q, conf = self._draft_block(ctx, n_ctx, anchor, temperature, generator)
+            drafted, q, conf = self.draft_block(ctx, n_ctx, anchor, temperature, generator)
             budget = torch.full((b,), B, device=dev)
             if costs is not None:
                 budget = torch.from_numpy(costs.budget(stale_conf)).to(dev)
