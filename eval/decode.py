@@ -181,7 +181,9 @@ def run_decode(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -> dict
     for run in runs:
         groups.setdefault((run.benchmark, run.temperature, run.adaptive), []).append(run)
         groups.setdefault((ALL, run.temperature, run.adaptive), []).append(run)
-    summaries = [run_summary(key[0], group, B) for key, group in groups.items()]
+    order = list(sets)
+    keys = sorted(groups, key=lambda k: (k[0] == ALL, order.index(k[0]) if k[0] in order else 0, k[1], k[2]))
+    summaries = [run_summary(k[0], groups[k], B) for k in keys]
     taus = {}
     if cfg.decode.offline_tau:
         tables = offline_tau(engine, model, sets, cfg)
