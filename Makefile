@@ -48,7 +48,7 @@ demo: setup
 	$(BIN)/python -m extract
 	$(BIN)/torchrun --standalone --nproc_per_node 1 -m train +experiment=demo
 	$(BIN)/python -m eval eval.online.num_prompts=4 eval.online.max_tokens=128 \
-	    eval.decode.prompts_per_benchmark=2 eval.decode.max_new_tokens=64
+	    eval.decode.prompts_per_benchmark=2 eval.decode.max_new_tokens=64 eval.decode.adaptive=false
 
 data: setup
 	$(BIN)/python -m extract.data $(SCALE) $(ARGS)
