@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup demo data plan extract train eval serve test lint bench ablate verify clean
+.PHONY: setup demo data plan extract train eval decode serve test lint bench ablate verify clean
 
 setup: $(STAMP)
 
@@ -47,7 +47,8 @@ demo: setup
 	$(BIN)/python -m extract.data
 	$(BIN)/python -m extract
 	$(BIN)/torchrun --standalone --nproc_per_node 1 -m train +experiment=demo
-	$(BIN)/python -m eval eval.online.num_prompts=4 eval.online.max_tokens=128
+	$(BIN)/python -m eval eval.online.num_prompts=4 eval.online.max_tokens=128 \
+	    eval.decode.prompts_per_benchmark=2 eval.decode.max_new_tokens=64 eval.decode.adaptive=false
 
 data: setup
 	$(BIN)/python -m extract.data $(SCALE) $(ARGS)
@@ -67,6 +68,10 @@ train: setup
 
 eval: setup
 	$(BIN)/python -m eval $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)
+
+# Speculative decoding with the exported drafter on transformers (any device): docs/decode.md.
+decode: setup
+	$(BIN)/python -m eval.decode $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)
 
 serve: setup
 	$(BIN)/python -m eval.serve $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)

@@ -7,7 +7,8 @@ Phases (each a subprocess with its own time limit; a failing phase does not stop
    autocast with flex attention, against speculators (its fused losses, flex attention).
 3. `serving`: the embedded default end to end on the GPU (`make demo`'s stages: data, extract,
    the demo training, eval), so DSpark is served by vLLM: acceptance length and speedup from
-   the online benchmark next to the offline τ of the same drafter.
+   the online benchmark next to eval.decode's acceptance length (speculative decoding on
+   transformers, same drafter and prompts) and the offline τ of the same drafter.
 
 It writes `<out>/gpu_check.json` (every phase's command, exit status, seconds and figures) and
 `<out>/gpu_check.md` (the same as tables). Needs the venv made by `make setup` on a CUDA
@@ -78,7 +79,17 @@ def plan(python: str, out: Path, only: tuple[str, ...], budget_s: float) -> list
                 [python, "-m", "extract.data"],
                 [python, "-m", "extract"],
                 [torchrun, "--standalone", "--nproc_per_node", "1", "-m", "train", "+experiment=demo"],
-                [python, "-m", "eval", "eval.online.num_prompts=16", "eval.online.max_tokens=256"],
+                [
+                    python,
+                    "-m",
+                    "eval",
+                    "eval.online.num_prompts=16",
+                    "eval.online.max_tokens=256",
+                    # eval.decode on the same prompts and length (the served runs are greedy)
+                    "eval.decode.prompts_per_benchmark=16",
+                    "eval.decode.max_new_tokens=256",
+                    "eval.decode.adaptive=false",
+                ],
             ],
             env={"DSPARK_RUNS": str(runs)},
         ),
@@ -142,8 +153,15 @@ def serving_figures(report_path: Path) -> dict:
     runs = [
         {k: r.get(k) for k in ("name", "acceptance_length", "tokens_per_s", "speedup")} for r in online.get("runs", [])
     ]
+    decode = report.get("decode") or {}
     return {
         "offline_tau": report["offline"]["overall"]["tau"],
+        "decode_runs": [
+            {k: r.get(k) for k in ("temperature", "adaptive", "prompts", "acceptance_length", "acceptance_length_se")}
+            for r in decode.get("runs", [])
+            if r["benchmark"] == "all"
+        ],
+        "decode_offline_tau": ((decode.get("offline_tau") or {}).get("all") or {}).get("tau_mean_over_prompts"),
         "online_runs": runs,
         "online_skipped": online.get("skipped"),
         "vllm_version": online.get("vllm_version"),
@@ -201,7 +219,31 @@ def markdown(report: dict) -> str:
             f"| {r['name']} | {r['acceptance_length']} | {r['tokens_per_s']} | {r['speedup']} |"
             for r in serving["online_runs"]
         ]
+        lines += side_by_side(serving)
     return "\n".join(lines) + "\n"
+
+
+def side_by_side(serving: dict) -> list[str]:
+    """vLLM's served acceptance length (greedy, from its counters), eval.decode's and the offline τ
+    (on verifier answers sampled at temperature 1), same drafter and prompts."""
+    decode = [r for r in serving.get("decode_runs", []) if not r["adaptive"]]
+    if not decode:
+        return []
+    served = next((r["acceptance_length"] for r in serving["online_runs"] if r.get("acceptance_length")), None)
+    tau = serving.get("decode_offline_tau")
+    lines = [
+        "",
+        "| temperature | vLLM served acceptance length | eval.decode acceptance length | offline τ (T=1 answers) |",
+        "|---|---|---|---|",
+    ]
+    for r in decode:
+        greedy = r["temperature"] == 0
+        se = f" ± {r['acceptance_length_se']:.3f}" if r.get("acceptance_length_se") is not None else ""
+        lines.append(
+            f"| {r['temperature']:g} | {served if greedy and served is not None else '—'} | "
+            f"{r['acceptance_length']:.3f}{se} | {'—' if greedy or tau is None else f'{tau:.3f}'} |"
+        )
+    return lines
 
 
 def write_report(report: dict, out: Path) -> None:

@@ -11,6 +11,7 @@ from dspark.entry import stage_main
 from dspark.errors import UserError
 from eval.card import benchmark_names
 from eval.config import EvalConfig
+from eval.decode import headline as decode_headline
 from eval.evaluate import evaluate_drafter
 from extract.config import ServerConfig
 
@@ -53,6 +54,8 @@ def headline(report: dict) -> str:
             f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
             f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"])
         )
+    if report.get("decode"):
+        lines.append("speculative decoding (transformers):\n" + decode_headline(report["decode"]))
     for r in (report.get("online") or {}).get("runs", []):
         extra = f", speedup {r['speedup']:.2f}x" if "speedup" in r else ""
         extra += f", acceptance length {r['acceptance_length']:.3f}" if "acceptance_length" in r else ""

@@ -248,6 +248,48 @@ def _online(on: dict) -> list[str]:
     return out
 
 
+def _decode(dec: dict) -> list[str]:
+    out = [
+        "## Speculative decoding (transformers)",
+        "",
+        f"The drafter as exported, run by `python -m eval.decode` the way vLLM's DSpark proposer runs it: "
+        f"{fmt(dec['max_new_tokens'])} tokens per prompt, block of {fmt(dec['block_size'])}, device {dec['device']}. "
+        "Acceptance length = tokens per verifier forward, bonus included (± standard error over prompts); "
+        "greedy outputs equal the verifier's own greedy decoding token for token; offline τ is scored on "
+        "verifier answers to the same prompts sampled at temperature 1.",
+        "",
+    ]
+    taus = dec.get("offline_tau") or {}
+    rows = []
+    for r in dec["runs"]:
+        tau = taus.get(r["benchmark"]) if r["temperature"] == 1.0 and not r["adaptive"] else None
+        rows.append(
+            [
+                r["benchmark"],
+                f"{r['temperature']:g}",
+                "adaptive" if r["adaptive"] else "fixed",
+                fmt(r["prompts"]),
+                r["acceptance_length"],
+                r["acceptance_length_se"],
+                r["verifier_forwards_per_token"],
+                None if tau is None else tau["tau_mean_over_prompts"],
+            ]
+        )
+    return out + _table(
+        [
+            "prompt set",
+            "T",
+            "verification",
+            "prompts",
+            "acceptance length",
+            "SE",
+            "verifier forwards / token",
+            "offline τ",
+        ],
+        rows,
+    )
+
+
 def render_card(report: dict) -> str:
     drafter = report["drafter"]
     lines = [
@@ -268,6 +310,8 @@ def render_card(report: dict) -> str:
         lines += _benchmarks(report["benchmarks"])
     if report.get("calibration"):
         lines += _calibration(report["calibration"])
+    if report.get("decode"):
+        lines += _decode(report["decode"])
     if report.get("online"):
         lines += _online(report["online"])
     return "\n".join(lines).rstrip() + "\n"

@@ -120,6 +120,45 @@ class OnlineConfig(Checked):
 
 
 @dataclass
+class DecodeConfig(Checked):
+    """Speculative decoding with the exported drafter on transformers (eval.decode): served-style
+    acceptance on any machine, greedy outputs checked against the verifier's own."""
+
+    SECTION: ClassVar[str] = "eval.decode"
+
+    enabled: bool
+    """Run the decode step in `python -m eval` (`python -m eval.decode` always runs it)."""
+    prompts_file: str | None
+    """jsonl of prompts (`input_ids`, `prompt` text, or tokenized samples; a `source` names the
+    benchmark); null = the standard eval sets of `data=benchmarks` when made, else the held-out data."""
+    prompts_per_benchmark: int
+    """Prompts decoded per benchmark (prompt set), the first ones in file order."""
+    max_new_tokens: int
+    """Tokens generated per prompt (EOS does not stop: every run decodes the same count)."""
+    temperatures: list[float]
+    """Sampling temperatures; 0 = greedy (checked token for token against the verifier's greedy decoding)."""
+    adaptive: bool
+    """Also run with adaptive verification (drafters with a confidence head)."""
+    offline_tau: bool
+    """Also score the drafter's offline τ on verifier answers to the same prompts sampled at temperature 1."""
+    batch_size: int
+    """Prompts decoded together."""
+    profile_replays: int
+    """Timed replays per forward shape for the adaptive-verification cost model (vLLM profiles too)."""
+    seed: int
+    """Seed of the sampling runs and of the comparison answers."""
+    device: str
+    """`auto` (cuda when present), `cpu` or `cuda`; the verifier runs in float32."""
+
+    def __post_init__(self) -> None:
+        self.at_least(1, "prompts_per_benchmark", "max_new_tokens", "batch_size", "profile_replays")
+        self.one_of("device", DEVICES)
+        temps = self.temperatures
+        if not temps or any(not isinstance(t, int | float) or t < 0 for t in temps) or len(set(temps)) < len(temps):
+            self.refuse("temperatures", "must be a non-empty list of distinct values >= 0")
+
+
+@dataclass
 class EvalConfig(Checked):
     """The evaluation stage: offline acceptance, calibration, online speed, report and model card."""
 
@@ -142,6 +181,7 @@ class EvalConfig(Checked):
     offline: OfflineConfig
     calibration: CalibrationConfig
     online: OnlineConfig
+    decode: DecodeConfig
 
 
 @dataclass
@@ -166,4 +206,4 @@ class PruneConfig(Checked):
         self.at_least(1, "min_count")
 
 
-__all__ = ["CalibrationConfig", "EvalConfig", "OfflineConfig", "OnlineConfig", "PruneConfig"]
+__all__ = ["CalibrationConfig", "DecodeConfig", "EvalConfig", "OfflineConfig", "OnlineConfig", "PruneConfig"]

@@ -1,4 +1,5 @@
-"""The evaluation stage end to end: offline acceptance, calibration, online speed, report, card."""
+"""The evaluation stage end to end: offline acceptance, calibration, speculative decoding, online speed,
+report, card."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dspark.verifier import VerifierHead
 from eval import calibration as cal
 from eval.card import write_card
 from eval.config import CalibrationConfig, EvalConfig
+from eval.decode import run_decode
 from eval.offline import (
     BlockTable,
     check_compatible,
@@ -166,6 +168,9 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
         )
     report["data"] = data_info(cfg.data_dir, store)
     report = publish(report, out_dir)
+    if cfg.decode.enabled:
+        report["decode"] = run_decode(drafter_dir, target, cfg)
+        report = publish(report, out_dir)
     if cfg.online.enabled:
         verifier = resolve_target(target, dataset_target(cfg.data_dir))
         online = replace(

@@ -159,7 +159,6 @@ def _anchors(loss_mask: torch.Tensor, sample_id: int, cfg: OfflineConfig) -> tor
     return anchors[0][valid[0]]
 
 
-@torch.no_grad()
 def evaluate_blocks(
     draft: DSparkDraft,
     verifier: VerifierHead,
@@ -170,22 +169,41 @@ def evaluate_blocks(
     desc: str = "offline eval",
 ) -> BlockTable:
     """Score every block of the given held-out samples."""
-    draft = draft.to(device).eval()
-    verifier = verifier.to(device)
     layer_ids = list(store.target["layer_ids"])
     aux_index = [layer_ids.index(i) for i in draft.aux_layer_ids]
+
+    def samples():
+        for ref in tqdm(refs, desc=desc, unit="sample", dynamic_ncols=True):
+            sample = store.read(ref)
+            hidden = bits_to_tensor(sample.hidden).to(dtype=torch.float32)  # [T, L, H]
+            ids = torch.from_numpy(sample.token_ids.astype(np.int64))
+            mask = torch.from_numpy(sample.loss_mask.astype(bool))
+            yield ref.sample_id, hidden[:, aux_index].flatten(1), hidden[:, -1], ids, mask
+
+    table = score_samples(draft, verifier, samples(), cfg, device)
+    if table is None:
+        raise UserError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
+    return table
+
+
+@torch.no_grad()
+def score_samples(draft: DSparkDraft, verifier: VerifierHead, samples, cfg: OfflineConfig, device: torch.device):
+    """Score every block of in-memory samples; None when no sample has a block to score.
+
+    samples: iterable of (sample_id, context [T, m·H] aux states in the draft's layer order,
+    final [T, H] pre-norm final-layer states, token_ids [T], loss_mask [T] bool).
+    """
+    draft = draft.to(device).eval()
+    verifier = verifier.to(device)
     d2t = None if draft.d2t is None else draft.d2t.to(device)
     has_conf = draft.confidence_head is not None
     parts: dict[str, list] = {k: [] for k in ("alpha", "mask", "conf", "sid", "pos", "len")}
-    for ref in tqdm(refs, desc=desc, unit="sample", dynamic_ncols=True):
-        sample = store.read(ref)
-        hidden = bits_to_tensor(sample.hidden).to(device=device, dtype=torch.float32)  # [T, L, H]
-        seq_len = hidden.shape[0]
-        context = hidden[:, aux_index].reshape(1, seq_len, -1)
-        final = hidden[:, -1]
-        ids = torch.from_numpy(sample.token_ids.astype(np.int64))[None].to(device)
-        mask = torch.from_numpy(sample.loss_mask.astype(bool))[None].to(device)
-        all_anchors = _anchors(mask[0].cpu(), ref.sample_id, cfg).to(device)
+    for sample_id, context, final, ids, mask in samples:
+        seq_len = context.shape[0]
+        context = context.to(device, torch.float32)[None]
+        final = final.to(device, torch.float32)
+        ids, mask = ids[None].to(device), mask[None].to(device)
+        all_anchors = _anchors(mask[0].cpu(), sample_id, cfg).to(device)
         for start in range(0, all_anchors.numel(), cfg.anchors_per_forward):
             anchors = all_anchors[start : start + cfg.anchors_per_forward][None]
             valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -201,11 +219,11 @@ def evaluate_blocks(
             if has_conf:
                 parts["conf"].append(conf.double().cpu())
             n = anchors.shape[1]
-            parts["sid"].append(torch.full((n,), ref.sample_id))
+            parts["sid"].append(torch.full((n,), sample_id))
             parts["pos"].append(anchors[0].cpu())
             parts["len"].append(torch.full((n,), seq_len))
     if not parts["alpha"]:
-        raise UserError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
+        return None
     cat = {k: torch.cat(v).numpy() for k, v in parts.items() if v}
     return BlockTable(
         alpha=cat["alpha"],
@@ -294,5 +312,6 @@ __all__ = [
     "open_heldout_store",
     "pick_device",
     "read_sources",
+    "score_samples",
     "summarize",
 ]

@@ -112,32 +112,39 @@ def load_prompts(prompts_file: str | None, data_dir: str | Path, num_prompts: in
     """
     if prompts_file is not None:
         path = Path(prompts_file)
-        rows = _jsonl(path)
     else:
         path = Path(data_dir) / "eval.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"online prompts: no {path} (run make data) and eval.online.prompts_file is null")
-        rows = sorted(_jsonl(path), key=lambda r: r[1].get("sample_id", 0))
-    prompts = []
-    for line_no, row in _round_robin(rows):
-        if prompts_file is None or "loss_mask" in row:
-            mask = row.get("loss_mask") or []
-            first = next((i for i, m in enumerate(mask) if m), None)
-            if first is None or first == 0:
-                continue
-            prompts.append(row["input_ids"][:first])
-        elif isinstance(row.get("input_ids"), list) and all(isinstance(t, int) for t in row["input_ids"]):
-            prompts.append(row["input_ids"])
-        elif isinstance(row.get("prompt"), str):
-            prompts.append(row["prompt"])
-        else:
-            raise ValueError(f"{path}:{line_no}: a prompt row needs `input_ids` (list of ints) or `prompt` (text)")
+    prompts = [prompt for _, prompt in load_prompt_rows(path)]
     fitting = [p for p in prompts if isinstance(p, str) or 0 < len(p) <= max_prompt_tokens]
     if not fitting:
         raise ValueError(
             f"online prompts from {path}: none fits in {max_prompt_tokens} prompt tokens (max_model_len − max_tokens)"
         )
     return fitting[:num_prompts]
+
+
+def load_prompt_rows(path: Path) -> list[tuple[str | None, list[int] | str]]:
+    """(source, prompt) of every usable row of a prompts jsonl, in sample-id order, taken in turn from
+    each source: a tokenized sample (a row with a `loss_mask`) gives its tokens up to its first trained
+    token, other rows their `input_ids` or `prompt` text."""
+    rows = sorted(_jsonl(Path(path)), key=lambda r: r[1].get("sample_id", 0))
+    prompts = []
+    for line_no, row in _round_robin(rows):
+        if "loss_mask" in row:
+            mask = row.get("loss_mask") or []
+            first = next((i for i, m in enumerate(mask) if m), None)
+            if first is None or first == 0:
+                continue
+            prompts.append((row.get("source"), row["input_ids"][:first]))
+        elif isinstance(row.get("input_ids"), list) and all(isinstance(t, int) for t in row["input_ids"]):
+            prompts.append((row.get("source"), row["input_ids"]))
+        elif isinstance(row.get("prompt"), str):
+            prompts.append((row.get("source"), row["prompt"]))
+        else:
+            raise ValueError(f"{path}:{line_no}: a prompt row needs `input_ids` (list of ints) or `prompt` (text)")
+    return prompts
 
 
 def _round_robin(rows: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
@@ -322,6 +329,7 @@ def run_online(
 __all__ = [
     "ServerCounters",
     "benchmark",
+    "load_prompt_rows",
     "load_prompts",
     "parse_metrics",
     "plan_runs",

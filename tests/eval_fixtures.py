@@ -221,6 +221,7 @@ def compose_cfg(setup: EvalSetup, *overrides: str, config_name: str = "eval"):
                 f"eval.data_dir={setup.data_dir}",
                 f"eval.out_dir={setup.root / 'eval'}",
                 "eval.online.enabled=false",
+                "eval.decode.enabled=false",
                 *overrides,
             ],
         )

@@ -113,6 +113,20 @@ def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
         ],
         "extract.verify: no store": [sys.executable, "-m", "extract.verify", f"store={tmp / 'no-store'}"],
         "eval: no drafter": [sys.executable, "-m", "eval", f"drafter={tmp / 'no-drafter'}", *tiny_target(model)],
+        "eval.decode: no drafter": [
+            sys.executable,
+            "-m",
+            "eval.decode",
+            f"drafter={tmp / 'no-drafter'}",
+            *tiny_target(model),
+        ],
+        "eval.decode: bad temperatures": [
+            sys.executable,
+            "-m",
+            "eval.decode",
+            "eval.decode.temperatures=[1.0,1.0]",
+            *tiny_target(model),
+        ],
         "train: unknown config group option": [sys.executable, "-m", "train", "loss=no-such-loss"],
         "train: no train store": [
             sys.executable,
@@ -155,6 +169,8 @@ EXPECTED = {
     "extract.data: missing source file": "missing.jsonl",
     "extract.verify: no store": "no shard store",
     "eval: no drafter": "not an exported drafter dir",
+    "eval.decode: no drafter": "not an exported drafter dir",
+    "eval.decode: bad temperatures": "eval.decode.temperatures must be a non-empty list of distinct values",
     "train: unknown config group option": "no-such-loss",
     "train: no train store": "no shard store at",  # train/build.py
     "eval.serve: no drafter": "/nope: not an exported drafter dir",

@@ -158,3 +158,60 @@ def test_report_from_the_files_the_phases_write(tmp_path):
     assert "offline τ: 1.877" in md and "| dspark k=4 | 1.9 | 160.0 | 1.6 |" in md
     # A phase that wrote nothing has no figures (and the report still renders).
     assert gpu_check.figures("serving", tmp_path / "empty") is None
+
+
+VLLM_METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="smollm2"} 200.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="smollm2"} 1.76e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="smollm2"} 800.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="smollm2"} 250.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="0"} 120.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="1"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="2"} 40.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="3"} 10.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="smollm2"} 450.0
+"""
+
+
+def test_served_decode_and_offline_side_by_side(tmp_path):
+    """vLLM's served acceptance length from its Prometheus counters, eval.decode's and the offline τ in one table."""
+    from eval.online import ServerCounters, parse_metrics, spec_decode_summary
+
+    served = spec_decode_summary(parse_metrics(VLLM_METRICS) - ServerCounters())
+    assert served["acceptance_length"] == 1 + 250 / 200
+    assert served["per_position_acceptance"] == [0.6, 0.4, 0.2, 0.05]
+    eval_dir = tmp_path / "runs" / "smollm2-135m" / "eval"
+    eval_dir.mkdir(parents=True)
+    decode_run = {"benchmark": "all", "prompts": 16, "acceptance_length_se": 0.05}
+    report = {
+        "offline": {"overall": {"tau": 1.9}},
+        "online": {"runs": [{"name": "dspark k=4", "tokens_per_s": 150.0, "speedup": 1.5, **served}]},
+        "decode": {
+            "runs": [
+                {**decode_run, "temperature": 0.0, "adaptive": False, "acceptance_length": 2.25},
+                {**decode_run, "temperature": 1.0, "adaptive": False, "acceptance_length": 2.1},
+                {**decode_run, "benchmark": "gsm8k", "temperature": 1.0, "adaptive": False, "acceptance_length": 9.0},
+            ],
+            "offline_tau": {"all": {"tau_mean_over_prompts": 2.08}},
+        },
+    }
+    (eval_dir / "report.json").write_text(json.dumps(report))
+    serving = gpu_check.figures("serving", tmp_path)
+    assert [r["temperature"] for r in serving["decode_runs"]] == [0.0, 1.0]
+    md = gpu_check.markdown(
+        {"device": "NVIDIA H200", "phases": {"serving": {"rc": 0, "seconds": 1, "figures": serving}}}
+    )
+    assert "| 0 | 2.25 | 2.250 ± 0.050 | — |" in md
+    assert "| 1 | — | 2.100 ± 0.050 | 2.080 |" in md

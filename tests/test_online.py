@@ -164,6 +164,7 @@ def test_stage_on_cpu_serves_baseline_and_reference(servable_verifier, tmp_path)
                 "target.max_model_len=512",
                 f"paths.root={tmp_path}",
                 "eval.offline.enabled=false",
+                "eval.decode.enabled=false",
                 f"eval.online.prompts_file={prompts}",
                 "eval.online.max_tokens=16",
                 "eval.online.methods=[dspark,ngram]",

@@ -1,0 +1,118 @@
+"""Speculative decoding (eval.speculative) against plain decoding of the same verifier, in the same run.
+
+Per temperature (0 and 1) and verification (fixed block, adaptive with the confidence head):
+verifier forwards per generated token (plain decoding: 1) and the wall-time ratio speculative /
+plain decoding (transformers `generate`), prompts decoded one at a time, rounds alternating so
+machine noise hits both. Default: a random 4-layer verifier (hidden 128, 2,048 tokens) and a
+random drafter exported and reloaded from its directory, 2 prompts of 32 tokens, 32 new tokens
+(the random verifier's flat distributions accept some random drafts: engine overhead and budget).
+Point DSPARK_BENCH_DRAFTER at an exported drafter (verifier: DSPARK_BENCH_VERIFIER, a model dir)
+for a trained one's figures.
+
+Run: python -m bench.bench_decode   (or python -m bench only=decode)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from bench import write_figures
+from dspark.config import DraftConfig
+from dspark.export import export_drafter, load_drafter
+from dspark.model import DSparkDraft
+from dspark.verifier import VerifierHead
+from eval.decode_runs import hf_generate, profile_costs
+from eval.speculative import SpeculativeDecoder, Verifier
+
+PROMPTS, PROMPT_LEN, NEW_TOKENS, ROUNDS = 2, 32, 32, 2
+
+
+def random_models(root: Path) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(root / "verifier")
+    head = VerifierHead.from_pretrained(root / "verifier")
+    cfg = DraftConfig(
+        num_layers=1,
+        block_size=4,
+        draft_vocab_size=None,
+        markov_rank=16,
+        markov_type="vanilla",
+        confidence_head=True,
+        confidence_head_with_markov=True,
+        sliding_window=None,
+        causal_in_block=False,
+        attn_impl="sdpa",
+    )
+    draft = DSparkDraft(cfg, head.config, [1, 2, 3], 2047)
+    draft.load_verifier(head)
+    export_drafter(draft, root / "drafter", str(root / "verifier"))
+    return root / "verifier", root / "drafter"
+
+
+def main(out_dir: Path) -> dict:
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter_dir = os.environ.get("DSPARK_BENCH_DRAFTER")
+        verifier_dir = os.environ.get("DSPARK_BENCH_VERIFIER")
+        if drafter_dir is None:
+            verifier_dir, drafter_dir = random_models(Path(tmp))
+        model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+        draft = load_drafter(drafter_dir, VerifierHead.from_pretrained(verifier_dir))
+        engine = SpeculativeDecoder(Verifier(model, draft.aux_layer_ids), draft)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, model.config.vocab_size - 1, PROMPT_LEN).tolist() for _ in range(PROMPTS)]
+        costs = profile_costs(engine, prompts[0], 3) if draft.confidence_head is not None else None
+        rows = {}
+        for temperature in (0.0, 1.0):
+            for adaptive in [False] if costs is None else [False, True]:
+                ratios, forwards = [], 0
+                for _ in range(ROUNDS):
+                    start = time.perf_counter()
+                    for i, p in enumerate(prompts):
+                        hf_generate(model, p, NEW_TOKENS, temperature, seed=i)
+                    plain = time.perf_counter() - start
+                    start = time.perf_counter()
+                    outs = [
+                        engine.generate([p], NEW_TOKENS, temperature, i, costs if adaptive else None)[0]
+                        for i, p in enumerate(prompts)
+                    ]
+                    ratios.append((time.perf_counter() - start) / plain)
+                    forwards = sum(o.verifier_forwards for o in outs)
+                name = f"T{temperature:g}_{'adaptive' if adaptive else 'fixed'}"
+                rows[name] = {
+                    "verifier_forwards_per_token": forwards / (PROMPTS * NEW_TOKENS),
+                    "acceptance_length": float(np.mean([1 + np.mean(o.accepted_per_step) for o in outs])),
+                    "wall_ratio_vs_plain": statistics.median(ratios),
+                }
+                print(f"   {name}: {rows[name]}", flush=True)
+    figures = {
+        "drafter": "random (exported, reloaded)" if os.environ.get("DSPARK_BENCH_DRAFTER") is None else drafter_dir,
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "rounds": ROUNDS,
+        "runs": rows,
+    }
+    return write_figures(out_dir, "decode", figures)
+
+
+if __name__ == "__main__":
+    main(Path("bench/results"))

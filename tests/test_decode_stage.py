@@ -1,0 +1,105 @@
+"""The decode stage on the tiny eval setup: files, report and card, outputs that recheck against
+transformers, the lossless check's refusal, and its config checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eval_fixtures import build_setup, compose_cfg, configs
+from transformers import Qwen3ForCausalLM
+
+from dspark.config import load_section
+from dspark.errors import UserError
+from eval.config import DecodeConfig
+from eval.decode_runs import check_lossless, hf_generate
+from eval.evaluate import evaluate_drafter
+from extract.config import ServerConfig
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory):
+    setup = build_setup(tmp_path_factory.mktemp("decode_stage"), n_samples=4)
+    cfg = compose_cfg(
+        setup,
+        "eval.offline.enabled=false",
+        "eval.decode.enabled=true",
+        "eval.decode.prompts_per_benchmark=2",
+        f"eval.decode.max_new_tokens={MAX_NEW}",
+        "eval.decode.profile_replays=1",
+    )
+    target, eval_cfg = configs(cfg)
+    report = evaluate_drafter(setup.drafter, target, eval_cfg, load_section(ServerConfig, cfg, "server"))
+    return setup, report
+
+
+def test_report_files_and_card(decoded):
+    setup, report = decoded
+    out = setup.root / "eval"
+    section = json.loads((out / "decode.json").read_text())
+    assert report["decode"] == section
+    assert (out / section["plot"]).stat().st_size > 0
+    kinds = {(r["benchmark"], r["temperature"], r["adaptive"]) for r in section["runs"]}
+    assert kinds == {(b, t, a) for b in ("chat", "code", "all") for t in (0.0, 1.0) for a in (False, True)}
+    for r in section["runs"]:
+        assert r["generated_tokens"] == r["prompts"] * MAX_NEW
+        assert 1.0 <= r["acceptance_length"] <= 1 + section["block_size"]
+        assert r["verifier_forwards_saved"] == r["generated_tokens"] - r["verifier_forwards"]
+    assert {c["benchmark"] for c in section["comparison"]} == {"chat", "code", "all"}
+    card = (setup.drafter / "README.md").read_text()
+    assert "## Speculative decoding (transformers)" in card
+    assert f"{section['offline_tau']['all']['tau_mean_over_prompts']:.3f}" in card
+
+
+def test_outputs_recheck_against_transformers(decoded):
+    """Every greedy row of decode_outputs.jsonl is the verifier's greedy decoding, rechecked here."""
+    setup, _ = decoded
+    rows = [json.loads(line) for line in (setup.root / "eval" / "decode_outputs.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 2 * 2  # benchmarks x prompts x temperatures x fixed/adaptive
+    model = Qwen3ForCausalLM.from_pretrained(setup.verifier_dir, dtype=torch.float32).eval()
+    greedy = [r for r in rows if r["temperature"] == 0]
+    for r in greedy:
+        assert r["output_token_ids"] == hf_generate(model, r["prompt_token_ids"], MAX_NEW, 0.0)
+        assert len(r["accepted_per_step"]) == r["verifier_forwards"] - 1
+    sampled = [r["output_token_ids"] for r in rows if r["temperature"] == 1]
+    assert all(len(s) == MAX_NEW for s in sampled)
+
+
+def test_lossless_violation_names_prompt_and_position():
+    prompts = [[1, 2], [3, 4, 5]]
+    outputs = [[7, 8, 9], [10, 11, 12]]
+    check_lossless("gsm8k", prompts, outputs, [list(o) for o in outputs])
+    with pytest.raises(UserError, match=r"gsm8k prompt 1 \(3 tokens\).*generated token 2 \(12 vs 13\)"):
+        check_lossless("gsm8k", prompts, outputs, [[7, 8, 9], [10, 11, 13]])
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("temperatures", [], "non-empty"),
+        ("temperatures", [0.0, 0.0], "distinct"),
+        ("temperatures", [-1.0], ">= 0"),
+        ("max_new_tokens", 0, ">= 1"),
+        ("device", "tpu", "one of"),
+    ],
+)
+def test_decode_config_refuses(field, value, message):
+    good = dict(
+        enabled=True,
+        prompts_file=None,
+        prompts_per_benchmark=2,
+        max_new_tokens=8,
+        temperatures=[0.0, 1.0],
+        adaptive=True,
+        offline_tau=True,
+        batch_size=2,
+        profile_replays=1,
+        seed=0,
+        device="cpu",
+    )
+    DecodeConfig(**good)
+    with pytest.raises(UserError, match=f"eval.decode.{field}.*{message}"):
+        DecodeConfig(**{**good, field: value})
