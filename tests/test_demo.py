@@ -38,5 +38,14 @@ def test_make_demo(tmp_path):
     report = json.loads((root / "eval" / "report.json").read_text())
     assert report["offline"]["overall"]["tau"] > evals[0]["tau"] + 0.02
 
+    # The decode step ran on the exported drafter: greedy outputs were checked lossless (else the
+    # eval fails), and the trained drafter is accepted: more than one token per verifier forward.
+    decode = json.loads((root / "eval" / "decode.json").read_text())
+    assert report["decode"] == decode
+    greedy = [r for r in decode["runs"] if r["temperature"] == 0.0 and not r["adaptive"]]
+    assert greedy and all(r["generated_tokens"] > 0 for r in greedy)
+    assert max(r["acceptance_length"] for r in greedy) > 1.05
+    assert (root / "eval" / "decode_outputs.jsonl").stat().st_size > 0
+
     card = (drafter / "README.md").read_text()
     assert "vllm serve" in card
