@@ -98,6 +98,7 @@ def tiny_overrides(root) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_two_variants_make_one_table(tiny_world, tmp_path):
     common = [*tiny_overrides(tiny_world), "train.eval_every=0"]
     cfg = {
