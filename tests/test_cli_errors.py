@@ -203,6 +203,7 @@ def test_user_error_is_one_line_and_exit_2(name, results):
     assert EXPECTED[name] in errors[0], errors[0]
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_unexpected_exception_keeps_its_traceback(tmp_path):
     script = tmp_path / "stage.py"
     script.write_text(

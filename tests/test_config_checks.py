@@ -42,6 +42,7 @@ def composed(stage: str, *overrides: str):
         return compose(config_name=stage, overrides=list(overrides))
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 @pytest.mark.parametrize("overrides", [[], ["+experiment=qwen3-0.6b"], ["+experiment=demo"]])
 def test_shipped_configs_pass_their_checks(overrides):
     for stage, sections in STAGE_SECTIONS.items():
@@ -125,6 +126,7 @@ def test_a_term_at_weight_zero_is_left_out():
     assert load_section(LossConfig, cfg, "loss").weights == {"tv": 0.9, "kl": 0.5}
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_stages_refuse_a_bad_value_before_any_work(tmp_path):
     runs = tmp_path / "runs"
     cases = {  # the stages start side by side: each must stop at its config (eval is covered in

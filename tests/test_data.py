@@ -181,6 +181,7 @@ def test_hf_source_reads_a_local_dataset_offline(tmp_path):
     assert data.problems.counts() == {"unknown role": 1}
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_missing_chat_template_fails_before_any_work(tiny_qwen3_dir, tmp_path):
     model = tmp_path / "no-template"
     shutil.copytree(tiny_qwen3_dir, model)

@@ -72,6 +72,7 @@ def test_corpus_reading_keeps_every_good_row_and_names_every_bad_line():
     assert tool_row.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_stage_on_the_corpus_exits_0_and_summary_names_every_bad_line(tiny_qwen3_dir, tmp_path):
     out = tmp_path / "out"
     cli = [

@@ -239,6 +239,7 @@ def copy_of(runs, tmp_path):
     return tmp_path / "runs"
 
 
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
     monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
     out = tiny_ablation.parent / "runs_out"
@@ -278,6 +279,7 @@ def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
     assert not (tiny_ablation / "default" / "x1_s0" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_a_rerun_reuses_rescores_a_torn_result_and_never_retrains_a_drafter(
     tiny_world, tiny_ablation, tmp_path, monkeypatch
 ):
@@ -305,6 +307,7 @@ def test_a_rerun_reuses_rescores_a_torn_result_and_never_retrains_a_drafter(
     )
 
 
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_ablation, tmp_path, monkeypatch):
     monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
     runs = copy_of(tiny_ablation, tmp_path)
@@ -365,6 +368,7 @@ def tiny_overrides(root) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
     """A short run with train.ema_decay: the exported drafter holds the checkpoint's averages, not its raw weights."""
     from hydra import compose, initialize_config_dir

@@ -114,6 +114,7 @@ def test_makefile_keeps_standalone_for_one_node():
     assert subprocess.run(["bash", "-n", str(example)], check=False).returncode == 0
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_two_nodes_by_rendezvous_equal_one_node_of_two_processes(args, tmp_path):
     one = tmp_path / "one-node"
     finish([launch(make_command("GPUS=2", f"ARGS={args} train.run_dir={one}"))])

@@ -92,6 +92,7 @@ def check_estimate(cfg, rows: list[Row]) -> ShardStore:
     return ShardStore.open(f"{ex.store_dir}/train")
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_estimate_within_5_percent_on_smollm2_chat(tmp_path):
     model_dir = resolve_target_dir("embedded:smollm2")
     rows = chat_rows(model_dir, 24)
@@ -99,6 +100,7 @@ def test_estimate_within_5_percent_on_smollm2_chat(tmp_path):
     check_estimate(extract_config(tmp_path, data, "extract.shard_samples=6", "plan.probe_samples=5"), rows)
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_estimate_within_5_percent_on_tiny_qwen3_fp8(tmp_path, tiny_qwen3_dir):
     import random
 
@@ -121,6 +123,7 @@ def test_estimate_within_5_percent_on_tiny_qwen3_fp8(tmp_path, tiny_qwen3_dir):
     assert store.target["dtype"] == "float8_e4m3fn" and store.attrs["format_version"] == 2
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_dry_run_refusal_and_shard_count(tmp_path, tiny_qwen3_dir, capsys):
     rows = [Row(i, list(range(100, 100 + t)), [1] * t) for i, t in enumerate((30, 50, 70, 90))]
     data = write_dataset(tmp_path / "data", tiny_qwen3_dir, rows)

@@ -51,6 +51,7 @@ def smollm2_dir(smollm2_cache) -> Path:
     return resolve_target_dir("embedded:smollm2")
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_killed_conversion_leaves_nothing_and_the_next_one_converts(smollm2_cache):
     embedded = smollm2_cache / "embedded"
     code = "from dspark.targets import resolve_target_dir; resolve_target_dir('embedded:smollm2')"

@@ -172,6 +172,7 @@ def ddp_split(world) -> StoreSplit:
     )
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
     # The plan really holds the awkward steps: a rank with no micro-batch at all, and a rank
     # whose only sample has no trainable position (zero valid anchors) while the other trains.
@@ -259,6 +260,7 @@ def kill_when(
     return below
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_rank_run):
     # save_every 20: besides the evaluations that improve (every 10 steps), checkpoints are
     # sparse, so a kill can land many steps after one.
@@ -307,6 +309,7 @@ def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_
                     assert a[step][key] == b[step][key], (split, step, key)
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_a_rank_stuck_on_a_hung_peer_fails_after_the_collective_timeout(world, tmp_path):
     run_dir = tmp_path / "run"
     proc = torchrun(
@@ -368,6 +371,7 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
         assert torch.equal(exported[name], value), name
 
 
+@pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast
 def test_training_raises_held_out_tau(world):
     run_dir = world.root / "runs" / "learn"
     train_to_end(

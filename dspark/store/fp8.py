@@ -37,8 +37,13 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """bf16 bit patterns of finite float32 values, rounded to nearest even like torch's cast."""
-    u = np.array(x, dtype=np.float32).view(np.uint32)  # a copy, rounded in place (few temporaries: fast)
-    half = u >> 16
+    return _round_to_bf16_bits(np.array(x, dtype=np.float32))  # a copy, rounded in place
+
+
+def _round_to_bf16_bits(u: np.ndarray) -> np.ndarray:
+    """bf16 bits of float32 `u`, which is overwritten (rounded in place: few temporaries, fast)."""
+    u = u.view(np.uint32)
+    half = np.right_shift(u, 16)
     half &= 1
     half += 0x7FFF  # round half to even: ties round up only when the kept bit is odd
     u += half
@@ -76,6 +81,6 @@ def quantize(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """e4m3fn bits uint8 [T, L, H] and scale float32 [T, L] -> bf16 bit patterns uint16 [T, L, H]."""
-    values = E4M3_VALUES[codes]
+    values = np.take(E4M3_VALUES, codes)  # a fresh float32 array (take: ~2x faster than indexing)
     values *= scale[..., None]
-    return f32_to_bf16_bits(values)
+    return _round_to_bf16_bits(values)
