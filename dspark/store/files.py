@@ -20,6 +20,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from zarr.storage import FsspecStore, LocalStore
 
+from dspark.atomic_dir import fsync_dir, fsync_tree
+
 WRITERS = ".writers"
 # Object storage has no lock that dies with its holder: a manifest lock older than
 # this is assumed abandoned (a manifest update takes well under a second) ...
@@ -141,7 +143,7 @@ class LocalFiles:
             with suppress(OSError):
                 tmp.unlink()
             raise
-        self._fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -245,24 +247,7 @@ class LocalFiles:
 
     def sync_tree(self, rel: str) -> None:
         """fsync every file and directory under `rel` (zarr's LocalStore does not)."""
-        top = self.root / rel
-        for dirpath, _, filenames in os.walk(top):
-            for name in filenames:
-                fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            self._fsync_dir(Path(dirpath))
-        self._fsync_dir(top.parent)
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_tree(self.root / rel)
 
 
 class RemoteClaim:
