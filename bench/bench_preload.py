@@ -25,16 +25,13 @@ import asyncio
 import os
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
-from unittest import mock
 
 import httpx
 import psutil
 
 from bench import write_figures
 from bench.bench_extract import extraction, sharegpt_rows, stage_config
-from extract import server as server_mod
 from extract.client import Row, default_staging_root
 from extract.pipeline import load_verifier
 from extract.server import VLLMServer, cpu_preload
@@ -85,10 +82,8 @@ def compare(make_server, work, n: int) -> dict[str, list[tuple[float, float]]]:
     an untimed warm-up of each, then `ROUNDS` alternating timed runs of `work(server, kind, n)`."""
     servers = {}
     for kind in ("preloaded", "not_preloaded"):
-        # the server without it: launched while the table of libraries to preload is empty
-        with mock.patch.dict(server_mod.CPU_PRELOAD, clear=True) if kind == "not_preloaded" else nullcontext():
-            servers[kind] = make_server(kind)
-            servers[kind].launch()
+        servers[kind] = make_server(kind)
+        servers[kind].launch()
     try:
         for server in servers.values():
             server.wait_ready()
@@ -140,7 +135,11 @@ def main(out_dir: Path) -> dict:
         tmp, staging = Path(tmp), Path(staging)
         regen = compare(
             lambda kind: VLLMServer(
-                model, tmp / f"plain-{kind}", extra_args=["--disable-uvicorn-access-log"], **common
+                model,
+                tmp / f"plain-{kind}",
+                extra_args=["--disable-uvicorn-access-log"],
+                cpu_preload=kind == "preloaded",
+                **common,
             ),
             lambda server, kind, n: generate(server.url, model, prompts[:n]),
             len(prompts),
@@ -150,6 +149,7 @@ def main(out_dir: Path) -> dict:
                 model,
                 tmp / f"extract-{kind}",
                 extra_args=server_args(verifier.layer_ids, "cpu", staging / kind, []),
+                cpu_preload=kind == "preloaded",
                 **common,
             ),
             lambda server, kind, n: extraction(

