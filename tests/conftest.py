@@ -54,3 +54,20 @@ def make_tiny_qwen3(out: Path, *, num_layers: int = 4, hidden: int = 64, seed: i
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     """Path of a saved tiny random Qwen3 verifier (4 layers, hidden 64, real tokenizer)."""
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3") / "model")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding `slow` tests first, the demo before all: under `make test`'s two xdist
+    workers (one file per worker at a time, `--dist loadfile --no-loadscope-reorder`, which keeps
+    this order instead of xdist's most-tests-first) the longest files start first and the short
+    ones fill in behind them, instead of the demo (one test) starting last."""
+
+    def rank(item) -> int:
+        if item.path.name == "test_demo.py":
+            return 0
+        return 1 if any(i.get_closest_marker("slow") for i in by_file[item.path]) else 2
+
+    by_file: dict = {}
+    for item in items:
+        by_file.setdefault(item.path, []).append(item)
+    items.sort(key=rank)  # stable: the collection order within each rank
