@@ -151,10 +151,8 @@ class DraftConfig(Checked):
     """Causal attention inside a block (default false: bidirectional, as in the paper)."""
     attn_impl: str = resume_field("free")
     """`sdpa` (everywhere) or `flex` (CUDA only, tested equal to sdpa)."""
-    markov_embed_proj: bool = False
+    markov_embed_proj: bool
     """Training only: W1[prev] gets + E[prev]·P (E the verifier's embedding, P trainable), folded into W1 at export."""
-    markov_lm_head_proj: bool = False
-    """Training only: W2 gets + L·Q (L the lm_head rows of the draft vocabulary, Q trainable), folded into W2 at export."""
 
     def __post_init__(self) -> None:
         self.at_least(1, "block_size", "num_layers")
@@ -165,9 +163,8 @@ class DraftConfig(Checked):
         if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             self.refuse("confidence_head_with_markov", "needs the Markov head (model.markov_rank > 0)")
         self.one_of("attn_impl", ATTN_IMPLS)
-        for field in ("markov_embed_proj", "markov_lm_head_proj"):
-            if getattr(self, field) and self.markov_rank == 0:
-                self.refuse(field, "needs the Markov head (model.markov_rank > 0)")
+        if self.markov_embed_proj and self.markov_rank == 0:
+            self.refuse("markov_embed_proj", "needs the Markov head (model.markov_rank > 0)")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Initialising the draft from the verifier (dspark.init): weights by name, forward vs HF's layer;
-LR multipliers by module, the Markov projections and the context-noise regulariser."""
+LR multipliers by module, the Markov embedding projection and the context-noise regulariser."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def verifier_dir(tmp_path_factory):
     return make_bigram_verifier(tmp_path_factory.mktemp("levers") / "verifier")
 
 
-def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, **projections: bool) -> DSparkDraft:
+def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, markov_embed_proj: bool = False) -> DSparkDraft:
     cfg = DraftConfig(
         num_layers=num_layers,
         block_size=BLOCK,
@@ -48,7 +48,7 @@ def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, **projections
         sliding_window=None,
         causal_in_block=True,
         attn_impl="sdpa",
-        **projections,
+        markov_embed_proj=markov_embed_proj,
     )
     return DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
 
@@ -201,19 +201,17 @@ def test_context_noise_is_relative_to_each_aux_state_and_reproducible():
 
 
 @torch.no_grad()
-def test_markov_projections_are_folded_into_the_tables_at_export(verifier_dir, tmp_path):
-    """`model.markov_embed_proj` / `markov_lm_head_proj`: W1[prev] + E[prev]·P and W2 + L·Q in
-    training; the exported drafter holds the folded tables and computes the same logits as a
-    plain vanilla head."""
+def test_markov_embed_proj_is_folded_into_w1_at_export(verifier_dir, tmp_path):
+    """`model.markov_embed_proj`: W1[prev] + E[prev]·P in training; the exported drafter holds
+    the folded table and computes the same logits as a plain vanilla head."""
     verifier = VerifierHead.from_pretrained(verifier_dir)
-    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True, markov_lm_head_proj=True)
+    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True)
     model.load_verifier(verifier)
-    for proj in (model.markov_embed_proj, model.markov_lm_head_proj):
-        assert not proj.weight.any()  # the head starts as without them
-        torch.nn.init.normal_(proj.weight, std=0.5)
+    assert not model.markov_embed_proj.weight.any()  # the head starts as without it
+    torch.nn.init.normal_(model.markov_embed_proj.weight, std=0.5)
     export_drafter(model, tmp_path / "drafter", str(verifier_dir), vllm_check=False)
     loaded = load_drafter(tmp_path / "drafter", verifier)
-    assert loaded.markov_embed_proj is None and loaded.markov_lm_head_proj is None
+    assert loaded.markov_embed_proj is None
     gen = torch.Generator().manual_seed(0)
     prev = torch.randint(0, model.verifier_vocab_size, (6, BLOCK), generator=gen)
     hidden = torch.randn(6, BLOCK, model.layer_config.hidden_size, generator=gen)
@@ -222,9 +220,8 @@ def test_markov_projections_are_folded_into_the_tables_at_export(verifier_dir, t
     # independent: the bias written out by hand from the parts
     head = model.markov_head
     w1 = head.markov_w1(prev) + model.embed_tokens(prev) @ model.markov_embed_proj.weight.t()
-    w2 = head.markov_w2.weight + model.lm_head.weight @ model.markov_lm_head_proj.weight
-    torch.testing.assert_close(ours, model.lm_head(hidden) + w1 @ w2.t(), rtol=1e-5, atol=1e-4)
-    # the projections are part of what the draft computes (the comparisons above can fail)
+    torch.testing.assert_close(ours, model.lm_head(hidden) + w1 @ head.markov_w2.weight.t(), rtol=1e-5, atol=1e-4)
+    # the projection is part of what the draft computes (the comparisons above can fail)
     table_only = model.lm_head(hidden) + head.markov_w2(head.markov_w1(prev))
     assert not torch.allclose(table_only, ours, atol=1e-3)
 
