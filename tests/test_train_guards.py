@@ -219,7 +219,6 @@ ALTERNATIVES = {
     "log_every": 2,
     "log_with": "[tensorboard]",
     "export": "true",
-    "ema_decay": 0.9,
 }
 # The accelerator (its mixed precision) is made once per process: that key is checked at the refusal only
 # (`resume_point`, which every run passes before anything is built).
@@ -259,8 +258,6 @@ def test_resume_matrix_refuses_by_name_or_follows_the_new_value(world, base_run,
         trainer = trainer_for(config(world, base_run, **change, **allowed))
         assert trainer.state.step == 2, key  # resumed, not started over
         check_follows_config(trainer, ckpt)
-        if key == "ema_decay":
-            assert trainer.ema is not None and trainer.ema.decay == 0.9
         if key == "eval_store":
             assert trainer.eval_split is not None and trainer.eval_split.refs[0].sample_id == 1000
     assert seen["fixed"] and seen["changes"] and seen["free"]

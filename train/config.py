@@ -101,8 +101,6 @@ class TrainConfig(Checked):
     """accelerate experiment trackers for train/eval figures (tensorboard, wandb, mlflow, ...); metrics.jsonl always."""
     export: bool = resume_field("free")
     """Export the final drafter in speculators format to `run_dir/drafter`."""
-    ema_decay: float | None
-    """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
 
     def param_lr_scales(self) -> dict[str, float]:
         """LR multipliers by parameter-name prefix: the Markov embedding projection's, then
@@ -138,8 +136,6 @@ class TrainConfig(Checked):
         self.at_least(0, "markov_embed_proj_lr_scale")
         if any(not isinstance(v, (int, float)) or v < 0 for v in (self.lr_scales or {}).values()):
             self.refuse("lr_scales", "must map parameter-name prefixes to multipliers >= 0")
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            self.refuse("ema_decay", "must be null or in (0, 1)")
         layers = self.init_layers_from_verifier
         if not (layers in (None, "auto") or isinstance(layers, list) and all(type(i) is int for i in layers)):
             self.refuse("init_layers_from_verifier", "must be auto, null or a list of layer ids")

@@ -1,7 +1,7 @@
 """AdamW with its parameters grouped by name, the LR schedule, and optimizer state restored by name.
 
 A param group is identified by its `train.lr_scales` prefix and holds its parameters' names;
-a resume restores each parameter's state (AdamW's moments, the weight average) by its name,
+a resume restores each parameter's state (AdamW's moments) by its name,
 never by position, so reordering `lr_scales` (or changing it) cannot hand one parameter
 another's moments. The schedule is a function of the step and the config alone.
 """
@@ -79,7 +79,7 @@ def name_unnamed_groups(saved: dict, names: list[str], saved_train: DictConfig, 
 
 
 def load_state_by_name(optimizer: torch.optim.Optimizer, saved: dict, source: Path) -> None:
-    """Restore each parameter's optimizer state (AdamW's moments, the weight average) from a saved
+    """Restore each parameter's optimizer state (AdamW's moments) from a saved
     `state_dict()` by parameter name; the groups and their hyperparameters stay this run's."""
     saved_index = {
         name: index
