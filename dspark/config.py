@@ -190,8 +190,6 @@ class LossConfig(Checked):
     """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""
     anchor_pool: int | None
     """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
-    context_noise: float
-    """Training only: Gaussian noise of std `context_noise` × each aux state's RMS added to the context."""
     hidden_weight: float
     """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
     hidden_slots: int | None
@@ -215,7 +213,7 @@ class LossConfig(Checked):
         self.at_least(1, "num_anchors", "chunk_size")
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
         self.at_least(1, "anchor_pool", nullable=True)
-        self.at_least(0, "context_noise", "hidden_weight")
+        self.at_least(0, "hidden_weight")
         self.at_least(1, "hidden_slots", nullable=True)
 
 

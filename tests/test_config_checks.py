@@ -61,7 +61,6 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "train.init_fc_from_last_aux=maybe", "train", "train.init_fc_from_last_aux must be true, false"),
         ("train", "train.init_norm_from_verifier=yes", "train", "train.init_norm_from_verifier must be true, false"),
         ("train", "train.lr_scales={layers: -0.5}", "train", "train.lr_scales must map parameter-name prefixes"),
-        ("train", "loss.context_noise=-0.1", "loss", "loss.context_noise must be >= 0"),
         ("train", "loss.hidden_weight=-1", "loss", "loss.hidden_weight must be >= 0"),
         ("train", "loss.hidden_slots=0", "loss", "loss.hidden_slots must be null or >= 1"),
         ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),

@@ -1,5 +1,5 @@
 """Initialising the draft from the verifier (dspark.init): weights by name, forward vs HF's layer;
-LR multipliers by module, the Markov embedding projection and the context-noise regulariser."""
+LR multipliers by module, and the Markov embedding projection."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
 from train.config import TrainConfig
-from train.dspark_trainer import noisy_context
 from train.optim import make_optimizer
 
 BLOCK = 4
@@ -182,24 +181,6 @@ def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
         make_optimizer(named, cfg)
 
 
-def test_context_noise_is_relative_to_each_aux_state_and_reproducible():
-    """`loss.context_noise`: noise std = scale × RMS of each position's state, per aux layer
-    (checked against the sample std over many positions); the same seeds give the same noise."""
-    hidden, layers, T = 64, 3, 400
-    gen = torch.Generator().manual_seed(0)
-    scales = torch.tensor([0.5, 4.0, 40.0])  # aux layers of very different magnitude
-    context = (torch.randn(2, T, layers, hidden, generator=gen) * scales[:, None]).flatten(-2)
-    context[1, T // 2 :] = 0  # row padding stays zero
-    noisy = noisy_context(context, hidden, 0.2, [7, 8])
-    assert noisy.shape == context.shape and torch.equal(noisy, noisy_context(context, hidden, 0.2, [7, 8]))
-    assert not torch.equal(noisy[0], noisy_context(context, hidden, 0.2, [9, 8])[0])
-    assert torch.equal(noisy[1, T // 2 :], context[1, T // 2 :])
-    x, y = context[0].view(T, layers, hidden), noisy[0].view(T, layers, hidden)
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    ratio = ((y - x) / rms).std(dim=(0, 2))  # per aux layer
-    torch.testing.assert_close(ratio, torch.full((layers,), 0.2), atol=0.01, rtol=0)
-
-
 @torch.no_grad()
 def test_markov_embed_proj_is_folded_into_w1_at_export(verifier_dir, tmp_path):
     """`model.markov_embed_proj`: W1[prev] + E[prev]·P in training; the exported drafter holds
@@ -246,7 +227,7 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
         trainer.block_size = BLOCK
         trainer.cfg = SimpleNamespace(seed=0, eval_num_anchors=64)
         trainer.loss_cfg = SimpleNamespace(
-            num_anchors=64, anchor_sampling="uniform", anchor_pool=None, context_noise=0.0,
+            num_anchors=64, anchor_sampling="uniform", anchor_pool=None,
             gamma=4.0, train_on_prompt=train_on_prompt,
         )  # fmt: skip
         for train in (True, False):

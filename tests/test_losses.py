@@ -57,7 +57,6 @@ def make_cfg(
         chunk_size=chunk_size,
         anchor_sampling="uniform",
         anchor_pool=None,
-        context_noise=0.0,
         hidden_weight=hidden_weight,
         hidden_slots=hidden_slots,
         train_on_prompt=False,

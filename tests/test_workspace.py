@@ -54,7 +54,6 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         chunk_size=chunk_size,
         anchor_sampling="uniform",
         anchor_pool=None,
-        context_noise=0.0,
         hidden_weight=0.0,
         hidden_slots=None,
         train_on_prompt=False,

@@ -31,15 +31,6 @@ def anchor_seed(seed: int, epoch: int, sample_id: int, train: bool, window_start
     return int(state[0]) << 31 | int(state[1]) >> 1
 
 
-def noisy_context(context: torch.Tensor, hidden: int, scale: float, seeds: list[int]) -> torch.Tensor:
-    """context [b, T, m·H] plus Gaussian noise of std `scale` × the RMS of each position's aux
-    state (each of the m layers on its own), drawn from one generator per row seeded by `seeds[row]`."""
-    x = context.float().unflatten(-1, (-1, hidden))  # [b, T, m, H]
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds])
-    return (x + scale * rms * noise).flatten(-2).to(context.dtype)
-
-
 class DSparkTrainer(Trainer):
     """Trains a `DSparkDraft` against the verifier distributions of the stored final layer."""
 
@@ -76,11 +67,10 @@ class DSparkTrainer(Trainer):
         # Which tokens anchors and scored slots may lie on: the replies' (loss_mask), or in
         # training with loss.train_on_prompt every real token, the prompts' too.
         trained = batch["token_mask"] if train and self.loss_cfg.train_on_prompt else batch["loss_mask"]
-        rows, rows_seeds = [], []
+        rows = []
         windows = zip(batch["sample_ids"].tolist(), batch["window_starts"].tolist(), strict=True)
         for row, (sample_id, start) in enumerate(windows):
-            rows_seeds.append(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
-            gen = torch.Generator().manual_seed(rows_seeds[-1])  # anchors; the context noise takes seed + 1
+            gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
             mask = trained[row : row + 1]
             if not train:  # held-out anchors stay uniform: the metric does not move with the lever
                 rows.append(sample_anchors(mask, num, gen))
@@ -101,10 +91,6 @@ class DSparkTrainer(Trainer):
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
         for row, (a, v) in enumerate(rows):
             anchors[row, : a.shape[1]], valid[row, : v.shape[1]] = a[0], v[0]
-        if train and self.loss_cfg.context_noise > 0:
-            hidden = self.raw_model.layer_config.hidden_size
-            noisy = noisy_context(batch["context"], hidden, self.loss_cfg.context_noise, [s + 1 for s in rows_seeds])
-            batch = {**batch, "context": noisy}
         labels, target_pos, slot_mask = slot_targets(batch["token_ids"], trained, anchors, valid, self.block_size)
         return {
             **batch,
@@ -218,4 +204,4 @@ class DSparkTrainer(Trainer):
         export_drafter(self.raw_model, out_dir, self.verifier_name_or_path, extra_meta=meta)
 
 
-__all__ = ["DSparkTrainer", "anchor_seed", "noisy_context"]
+__all__ = ["DSparkTrainer", "anchor_seed"]
