@@ -31,7 +31,7 @@ MARKOV_TYPES = ("vanilla", "gated", "rnn")
 ATTN_IMPLS = ("sdpa", "flex")
 DISTRIBUTION_TERMS = ("ce", "tv", "kl")
 CE_TARGETS = ("data", "argmax")
-ANCHOR_SAMPLING = ("uniform", "confident", "all")
+ANCHOR_SAMPLING = ("uniform", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_KINDS = ("fixed", "changes", "free")
 
@@ -187,9 +187,7 @@ class LossConfig(Checked):
     chunk_size: int = resume_field("free")
     """Slots per chunk of the vocabulary-sized loss computation (bounds peak memory)."""
     anchor_sampling: str
-    """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""
-    anchor_pool: int | None
-    """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
+    """Training anchors: `uniform` (`num_anchors` of them) or `all` candidates."""
     hidden_weight: float
     """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
     hidden_slots: int | None
@@ -212,7 +210,6 @@ class LossConfig(Checked):
         self.positive("gamma")
         self.at_least(1, "num_anchors", "chunk_size")
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
-        self.at_least(1, "anchor_pool", nullable=True)
         self.at_least(0, "hidden_weight")
         self.at_least(1, "hidden_slots", nullable=True)
 

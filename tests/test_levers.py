@@ -227,7 +227,7 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
         trainer.block_size = BLOCK
         trainer.cfg = SimpleNamespace(seed=0, eval_num_anchors=64)
         trainer.loss_cfg = SimpleNamespace(
-            num_anchors=64, anchor_sampling="uniform", anchor_pool=None,
+            num_anchors=64, anchor_sampling="uniform",
             gamma=4.0, train_on_prompt=train_on_prompt,
         )  # fmt: skip
         for train in (True, False):

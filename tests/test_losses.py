@@ -56,7 +56,6 @@ def make_cfg(
         num_anchors=8,
         chunk_size=chunk_size,
         anchor_sampling="uniform",
-        anchor_pool=None,
         hidden_weight=hidden_weight,
         hidden_slots=hidden_slots,
         train_on_prompt=False,

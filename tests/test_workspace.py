@@ -53,7 +53,6 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         num_anchors=4,
         chunk_size=chunk_size,
         anchor_sampling="uniform",
-        anchor_pool=None,
         hidden_weight=0.0,
         hidden_slots=None,
         train_on_prompt=False,

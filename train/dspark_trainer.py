@@ -10,7 +10,6 @@ from torch import nn
 
 from dspark.anchors import sample_anchors, slot_targets, train_anchors
 from dspark.config import LossConfig
-from dspark.errors import UserError
 from dspark.export import export_drafter
 from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, weight_sum
 from dspark.metrics import AcceptanceStats
@@ -49,11 +48,6 @@ class DSparkTrainer(Trainer):
         self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
         super().__init__(*args, model=model, **kwargs)
         self.verifier = verifier
-        if loss_cfg.anchor_sampling == "confident" and self.device.type == "cuda" and self.cfg.data_workers:
-            raise UserError(
-                "loss.anchor_sampling=confident scores anchors with the verifier's head in the data "
-                "loader; on CUDA set train.data_workers=0 (forked workers cannot use the GPU)"
-            )
         self.term_names = [t for t in DISTRIBUTION_TERMS if t in loss_cfg.weights]
         if model.confidence_head is not None:
             self.term_names.append("confidence")
@@ -75,17 +69,7 @@ class DSparkTrainer(Trainer):
             if not train:  # held-out anchors stay uniform: the metric does not move with the lever
                 rows.append(sample_anchors(mask, num, gen))
                 continue
-            hidden = batch["target_hidden"][row]
-            rows.append(
-                train_anchors(
-                    mask,
-                    num,
-                    gen,
-                    self.loss_cfg.anchor_sampling,
-                    self.loss_cfg.anchor_pool,
-                    lambda pos, h=hidden: self.top_probability(h[pos]),
-                )
-            )
+            rows.append(train_anchors(mask, num, gen, self.loss_cfg.anchor_sampling))
         width = max(a.shape[1] for a, _ in rows)
         anchors = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -101,11 +85,6 @@ class DSparkTrainer(Trainer):
             "slot_mask": slot_mask,
             "norm_weight": weight_sum(slot_mask, self.loss_cfg.gamma),
         }
-
-    def top_probability(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The verifier's top next-token probability `[n]` from pre-norm final states `[n, H]`."""
-        with torch.no_grad():
-            return self.verifier.logits(target_hidden.to(self.verifier.lm_head_weight)).softmax(-1).amax(-1)
 
     def empty_batch(self) -> Batch:
         """One two-token row with no loss mask: no anchor is valid, nothing is scored."""
