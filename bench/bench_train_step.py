@@ -243,7 +243,6 @@ def build(shape: Shape, work: Path):
         LossConfig,
         "loss/default.yaml",
         weights=LOSS,
-        ce_target="data",
         confidence_weight=1.0,
         gamma=4.0,
         num_anchors=per_sample,

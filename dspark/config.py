@@ -30,7 +30,6 @@ from dspark.errors import UserError
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 ATTN_IMPLS = ("sdpa", "flex")
 DISTRIBUTION_TERMS = ("ce", "tv", "kl")
-CE_TARGETS = ("data", "argmax")
 ANCHOR_SAMPLING = ("uniform", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_KINDS = ("fixed", "changes", "free")
@@ -176,8 +175,6 @@ class LossConfig(Checked):
 
     weights: dict[str, float]
     """Weights of the distribution terms `ce`, `tv` (= ½‖q−p‖₁) and `kl`; a term at 0 is not computed."""
-    ce_target: str
-    """CE label: `data` (the data token) or `argmax` (the verifier's argmax)."""
     confidence_weight: float
     """Weight of the confidence-head BCE."""
     gamma: float
@@ -205,7 +202,6 @@ class LossConfig(Checked):
         # others), so a term is switched off by weight 0; it is then left out, not computed
         # (with none left, dspark_loss trains the confidence head alone or refuses).
         self.weights = {t: float(w) for t, w in self.weights.items() if w > 0}
-        self.one_of("ce_target", CE_TARGETS)
         self.at_least(0, "confidence_weight")
         self.positive("gamma")
         self.at_least(1, "num_anchors", "chunk_size")
@@ -295,7 +291,6 @@ def load_section(cls: type[T_cfg], cfg: DictConfig, name: str) -> T_cfg:
 
 __all__ = [
     "ATTN_IMPLS",
-    "CE_TARGETS",
     "DISTRIBUTION_TERMS",
     "DTYPES",
     "MARKOV_TYPES",

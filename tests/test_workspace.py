@@ -47,7 +47,6 @@ def test_take_reuses_idle_memory_only():
 def loss_cfg(chunk_size: int) -> LossConfig:
     return LossConfig(
         weights={"ce": 0.1, "tv": 0.9, "kl": 0.2},
-        ce_target="data",
         confidence_weight=0.5,
         gamma=4.0,
         num_anchors=4,
