@@ -181,6 +181,26 @@ def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
         make_optimizer(named, cfg)
 
 
+def test_the_markov_embed_proj_trains_at_4x_the_lr_by_default_only(verifier_dir):
+    """`train.lr_scales: {markov_embed_proj: 4.0}` (conf/train.yaml): the projection's own param group
+    at 4 × lr; the published recipe has none (no projection), and the default's entry without the
+    projection is refused with the way to drop it."""
+    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        default = load_section(TrainConfig, compose(config_name="train"), "train")
+        published = load_section(TrainConfig, compose(config_name="train", overrides=["+recipe=published"]), "train")
+    groups = {g["name"]: g for g in make_optimizer(named, default).param_groups}
+    assert set(groups) == {"", "markov_embed_proj"}
+    assert groups["markov_embed_proj"]["params"] == [model.markov_embed_proj.weight]
+    assert groups["markov_embed_proj"]["lr"] == pytest.approx(4 * default.lr) and groups[""]["lr"] == default.lr
+    assert published.lr_scales is None
+    plain = [(n, p) for n, p in draft(verifier_dir, markov_rank=8).named_parameters() if p.requires_grad]
+    assert [g["name"] for g in make_optimizer(plain, published).param_groups] == [""]
+    with pytest.raises(UserError, match=r"\['markov_embed_proj'\] match no trainable parameter.*~train.lr_scales"):
+        make_optimizer(plain, default)
+
+
 @torch.no_grad()
 def test_markov_embed_proj_is_folded_into_w1_at_export(verifier_dir, tmp_path):
     """`model.markov_embed_proj`: W1[prev] + E[prev]·P in training; the exported drafter holds

@@ -57,7 +57,7 @@ BASE = {
     "train.tokens_per_micro_batch": 128,
     "train.epochs": 2,
     "train.max_steps": "null",
-    "train.lr_scales": "{layers.0: 0.5, layers.1: 2.0}",
+    "++train.lr_scales": "{layers.0: 0.5, layers.1: 2.0}",  # merged into the default {markov_embed_proj: 4.0}
     "train.data_workers": 0,
     "train.eval_store": "null",
     "train.eval_every": 0,
@@ -121,7 +121,7 @@ def saved_moments(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def expected_scale(name: str, cfg: TrainConfig) -> float:
     """The LR multiplier of a parameter, by hand: its longest listed prefix (no wildcards here)."""
-    scales = {"markov_embed_proj": cfg.markov_embed_proj_lr_scale, **(cfg.lr_scales or {})}
+    scales = cfg.lr_scales or {}
     prefixes = [p for p in scales if name == p or name.startswith(p + ".")]
     return scales[max(prefixes, key=len)] if prefixes else 1.0
 
@@ -158,7 +158,7 @@ def test_reordered_lr_scales_keep_each_parameters_lr_and_moments(world, base_run
     moments = saved_moments(ckpt)
     a, b = moments["layers.0.mlp.up_proj.weight"]["exp_avg"], moments["layers.1.mlp.up_proj.weight"]["exp_avg"]
     assert a.shape == b.shape and not torch.equal(a, b)  # a swap would be seen
-    trainer = trainer_for(config(world, base_run, **{"train.lr_scales": "{layers.1: 2.0, layers.0: 0.5}"}))
+    trainer = trainer_for(config(world, base_run, **{"++train.lr_scales": "{layers.1: 2.0, layers.0: 0.5}"}))
     check_follows_config(trainer, ckpt)
     lrs = {n: g["initial_lr"] for g in trainer.optimizer.param_groups for n in g["param_names"]}
     assert lrs["layers.0.mlp.up_proj.weight"] == pytest.approx(0.5e-2)
@@ -199,8 +199,7 @@ ALTERNATIVES = {
     "tokens_per_step": 1024,
     "tokens_per_micro_batch": 256,
     "lr": 2e-2,
-    "lr_scales": "{layers.0: 0.5, layers.1: 2.0, fc: 0.25}",
-    "markov_embed_proj_lr_scale": 1.0,
+    "lr_scales": "{layers.0: 0.5, layers.1: 2.0, markov_embed_proj: 1.0}",
     "weight_decay": 0.1,
     "adam_betas": "[0.8,0.9]",
     "warmup_ratio": 0.5,
