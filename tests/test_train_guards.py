@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from safetensors.torch import load_file
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 from train_stores import (
     VOCAB,
     extract,
@@ -41,6 +42,7 @@ from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
 from train.__main__ import run
 from train.build import build_trainer, make_accelerator
+from train.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from train.config import TrainConfig
 from train.data import StoreSplit
 from train.dspark_trainer import DSparkTrainer
@@ -176,6 +178,31 @@ def test_unnamed_groups_of_an_older_checkpoint_are_named_from_its_config(world, 
     opt["optimizer"]["param_groups"].sort(key=lambda g: {"": 0, "markov_embed_proj": 1}.get(g["name"], 2))
     torch.save(opt, path)
     check_follows_config(trainer_for(config(world, run_dir)), base_run / "checkpoints" / "step_2")
+
+
+def test_a_checkpoint_with_keys_this_schema_no_longer_has_resumes_or_is_refused_in_one_line(world, base_run, tmp_path):
+    """Keys a checkpoint's config.yaml holds that the schemas have since lost are not compared; a
+    checkpoint whose weights hold a tensor this model no longer has is refused by name (a UserError:
+    one line, no traceback); so is one whose lr_scales differ from today's default."""
+    run_dir = tmp_path / "old"
+    shutil.copytree(base_run, run_dir, symlinks=True)
+    ckpt = run_dir / "checkpoints" / "step_2"
+    saved = OmegaConf.load(ckpt / CONFIG_FILE)
+    saved.loss.retired_term = 0.0
+    saved.train.retired_average = None
+    saved.model.retired_projection = False
+    OmegaConf.save(saved, ckpt / CONFIG_FILE)
+    cfg = config(world, run_dir)
+    assert resume_point(load_section(TrainConfig, cfg, "train"), run_dir, cfg) == ckpt.resolve()
+    assert trainer_for(cfg).state.step == 2
+    weights = load_file(ckpt / WEIGHTS_FILE)
+    save_file({**weights, "retired_projection.weight": torch.zeros(2, 2)}, ckpt / WEIGHTS_FILE)
+    with pytest.raises(UserError, match=r"weights do not fit this model .*unexpected \['retired_projection.weight'\]"):
+        trainer_for(cfg)
+    saved.train.lr_scales = None  # as a run before lr_scales held the projection's 4x
+    OmegaConf.save(saved, ckpt / CONFIG_FILE)
+    with pytest.raises(UserError, match=r"cannot resume .*\['train.lr_scales'\] differ"):
+        resume_point(load_section(TrainConfig, cfg, "train"), run_dir, cfg)
 
 
 # Every train key and a value other than BASE's: the matrix below must cover each one.
