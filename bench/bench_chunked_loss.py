@@ -77,7 +77,6 @@ def run_variant(chunk_slots: int, threads: int, keep_budget: int | None) -> dict
         LossConfig,
         "loss/default.yaml",
         weights={"ce": 0.1, "tv": 0.9},
-        ce_target="data",
         confidence_weight=1.0,
         gamma=4.0,
         num_anchors=ANCHORS,

@@ -61,6 +61,7 @@ def random_models(root: Path) -> tuple[Path, Path]:
         sliding_window=None,
         causal_in_block=False,
         attn_impl="sdpa",
+        markov_embed_proj=False,
     )
     draft = DSparkDraft(cfg, head.config, [1, 2, 3], 2047)
     draft.load_verifier(head)

@@ -243,7 +243,6 @@ def build(shape: Shape, work: Path):
         LossConfig,
         "loss/default.yaml",
         weights=LOSS,
-        ce_target="data",
         confidence_weight=1.0,
         gamma=4.0,
         num_anchors=per_sample,
@@ -281,7 +280,7 @@ def build(shape: Shape, work: Path):
     def autocast():
         return torch.autocast(DEVICE, dtype=DTYPE, enabled=DTYPE != torch.float32)
 
-    opt_cfg = SimpleNamespace(lr=1e-4, lr_scales=None, param_lr_scales=dict, adam_betas=(0.9, 0.999), weight_decay=0.0)
+    opt_cfg = SimpleNamespace(lr=1e-4, lr_scales=None, adam_betas=(0.9, 0.999), weight_decay=0.0)
     opt_ours = make_optimizer([(n, p) for n, p in ours.named_parameters() if p.requires_grad], opt_cfg)
     opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-4)
 

@@ -51,52 +51,14 @@ def sample_anchors(
     return positions.masked_fill(~valid, 0), valid
 
 
-def weighted_anchors(
-    cand: Tensor, weights: Tensor, num_anchors: int, generator: torch.Generator
-) -> tuple[Tensor, Tensor]:
-    """Up to `num_anchors` candidates per row, without replacement, with probability ∝ `weights`.
-
-    `cand [b, T]` bool, `weights [b, T]` > 0 on candidates. Each draw picks a remaining
-    candidate with probability w / Σ(remaining w) (successive sampling, as `torch.multinomial`
-    without replacement), implemented as the smallest exponential keys E/w
-    (Efraimidis–Spirakis). Returns `(anchors [b, A], valid [b, A])` as `sample_anchors`.
-    """
-    keys = torch.empty(cand.shape, dtype=torch.float64).exponential_(generator=generator).to(cand.device)
-    keys = (keys / weights.double().clamp_min(1e-30)).masked_fill(~cand, float("inf"))
-    num = max(1, min(num_anchors, int(cand.sum(1).max())))
-    chosen_keys, positions = keys.topk(num, dim=1, largest=False, sorted=True)
-    valid = chosen_keys < float("inf")
-    order = torch.where(valid, positions, positions + cand.shape[1]).argsort(dim=1)
-    positions, valid = positions.gather(1, order), valid.gather(1, order)
-    return positions.masked_fill(~valid, 0), valid
-
-
-def train_anchors(
-    loss_mask: Tensor, num_anchors: int, generator: torch.Generator, mode: str, pool: int | None = None, confidence=None
-) -> tuple[Tensor, Tensor]:
-    """Training anchors of one row `loss_mask [1, T]` by `loss.anchor_sampling`:
-
-    `uniform` is `sample_anchors`; `all` takes every candidate; `confident` draws
-    `num_anchors` with probability ∝ the verifier's top probability at the anchor
-    (`confidence(positions [n]) -> [n]` in (0, 1]), scoring a uniform pool of `pool`
-    candidates first (null = every candidate) to bound the cost of the verifier's head.
-    """
+def train_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator, mode: str) -> tuple[Tensor, Tensor]:
+    """Training anchors of `loss_mask [b, T]` by `loss.anchor_sampling`: `uniform` is
+    `sample_anchors`; `all` takes every candidate."""
     if mode == "uniform":
         return sample_anchors(loss_mask, num_anchors, generator)
     if mode == "all":
         return sample_anchors(loss_mask, loss_mask.shape[1], generator)
-    if mode != "confident":
-        raise ValueError(f"loss.anchor_sampling must be uniform, confident or all, got {mode!r}")
-    cand = anchor_candidates(loss_mask)
-    if pool is not None:
-        picked, ok = sample_anchors(loss_mask, pool, generator)
-        cand = torch.zeros_like(cand)
-        cand[0, picked[0][ok[0]]] = True
-    weights = torch.zeros(cand.shape, dtype=torch.float64)
-    positions = cand[0].nonzero().flatten()
-    if positions.numel():
-        weights[0, positions] = confidence(positions).double().cpu()
-    return weighted_anchors(cand, weights, num_anchors, generator)
+    raise ValueError(f"loss.anchor_sampling must be uniform or all, got {mode!r}")
 
 
 def slot_targets(
@@ -136,4 +98,4 @@ def slot_targets(
     return labels, target_pos, slot_mask
 
 
-__all__ = ["anchor_candidates", "sample_anchors", "slot_targets", "train_anchors", "weighted_anchors"]
+__all__ = ["anchor_candidates", "sample_anchors", "slot_targets", "train_anchors"]

@@ -30,8 +30,7 @@ from dspark.errors import UserError
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 ATTN_IMPLS = ("sdpa", "flex")
 DISTRIBUTION_TERMS = ("ce", "tv", "kl")
-CE_TARGETS = ("data", "argmax")
-ANCHOR_SAMPLING = ("uniform", "confident", "all")
+ANCHOR_SAMPLING = ("uniform", "all")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_KINDS = ("fixed", "changes", "free")
 
@@ -151,10 +150,8 @@ class DraftConfig(Checked):
     """Causal attention inside a block (default false: bidirectional, as in the paper)."""
     attn_impl: str = resume_field("free")
     """`sdpa` (everywhere) or `flex` (CUDA only, tested equal to sdpa)."""
-    markov_embed_proj: bool = False
+    markov_embed_proj: bool
     """Training only: W1[prev] gets + E[prev]·P (E the verifier's embedding, P trainable), folded into W1 at export."""
-    markov_lm_head_proj: bool = False
-    """Training only: W2 gets + L·Q (L the lm_head rows of the draft vocabulary, Q trainable), folded into W2 at export."""
 
     def __post_init__(self) -> None:
         self.at_least(1, "block_size", "num_layers")
@@ -165,9 +162,8 @@ class DraftConfig(Checked):
         if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             self.refuse("confidence_head_with_markov", "needs the Markov head (model.markov_rank > 0)")
         self.one_of("attn_impl", ATTN_IMPLS)
-        for field in ("markov_embed_proj", "markov_lm_head_proj"):
-            if getattr(self, field) and self.markov_rank == 0:
-                self.refuse(field, "needs the Markov head (model.markov_rank > 0)")
+        if self.markov_embed_proj and self.markov_rank == 0:
+            self.refuse("markov_embed_proj", "needs the Markov head (model.markov_rank > 0)")
 
 
 @dataclass
@@ -179,8 +175,6 @@ class LossConfig(Checked):
 
     weights: dict[str, float]
     """Weights of the distribution terms `ce`, `tv` (= ½‖q−p‖₁) and `kl`; a term at 0 is not computed."""
-    ce_target: str
-    """CE label: `data` (the data token) or `argmax` (the verifier's argmax)."""
     confidence_weight: float
     """Weight of the confidence-head BCE."""
     gamma: float
@@ -190,11 +184,7 @@ class LossConfig(Checked):
     chunk_size: int = resume_field("free")
     """Slots per chunk of the vocabulary-sized loss computation (bounds peak memory)."""
     anchor_sampling: str
-    """Training anchors: `uniform`, `confident` (∝ the verifier's top probability) or `all` candidates."""
-    anchor_pool: int | None
-    """`confident`: candidates scored per sequence (a uniform pool; bounds the head's cost); null = all."""
-    context_noise: float
-    """Training only: Gaussian noise of std `context_noise` × each aux state's RMS added to the context."""
+    """Training anchors: `uniform` (`num_anchors` of them) or `all` candidates."""
     hidden_weight: float
     """Weight of the `hidden` term: the draft's final hidden state (after its norm) against the verifier's."""
     hidden_slots: int | None
@@ -212,13 +202,11 @@ class LossConfig(Checked):
         # others), so a term is switched off by weight 0; it is then left out, not computed
         # (with none left, dspark_loss trains the confidence head alone or refuses).
         self.weights = {t: float(w) for t, w in self.weights.items() if w > 0}
-        self.one_of("ce_target", CE_TARGETS)
         self.at_least(0, "confidence_weight")
         self.positive("gamma")
         self.at_least(1, "num_anchors", "chunk_size")
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
-        self.at_least(1, "anchor_pool", nullable=True)
-        self.at_least(0, "context_noise", "hidden_weight")
+        self.at_least(0, "hidden_weight")
         self.at_least(1, "hidden_slots", nullable=True)
 
 
@@ -303,7 +291,6 @@ def load_section(cls: type[T_cfg], cfg: DictConfig, name: str) -> T_cfg:
 
 __all__ = [
     "ATTN_IMPLS",
-    "CE_TARGETS",
     "DISTRIBUTION_TERMS",
     "DTYPES",
     "MARKOV_TYPES",

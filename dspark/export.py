@@ -70,9 +70,8 @@ def drafter_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
         )
     skip = model.verifier_owned() | model.training_only()
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if name not in skip}
-    if model.markov_head is not None:  # the training-time projections folded in (no-ops without them)
+    if model.markov_head is not None:  # the training-time projection folded in (a no-op without it)
         tensors["markov_head.markov_w1.weight"] = model.folded_markov_w1().detach().contiguous()
-        tensors["markov_head.markov_w2.weight"] = model.folded_markov_w2().detach().contiguous()
     return tensors
 
 
@@ -141,6 +140,7 @@ def _draft_config(config, attn_impl: str) -> DraftConfig:
         sliding_window=layers.sliding_window if sliding else None,
         causal_in_block=bool(causal),
         attn_impl=attn_impl,
+        markov_embed_proj=False,  # a drafter holds the projection folded into W1
     )
 
 

@@ -4,8 +4,7 @@ Notation, per scored slot k of a block: q_k = the draft's (Markov-corrected) sof
 the draft vocabulary D; p_k = the verifier's full-vocabulary softmax at temperature 1 at
 position p+k; m_k = Σ_{v∈D} p_k[v] (1 with the full vocabulary). Terms:
 
-- `ce`: −log q_k[y], y = the data token p+k+1 (`ce_target: data`) or the verifier's argmax
-  (`ce_target: argmax`). A y outside a reduced D has no draft logit: the slot is left out
+- `ce`: −log q_k[y], y = the data token p+k+1. A y outside a reduced D has no draft logit: the slot is left out
   of CE (still counted in the normalizer) and reported in `LossOutput.ce_out_of_vocab`.
 - `tv`: ½‖q_k − p_k‖₁ over the FULL vocabulary with q_k = 0 outside D, which equals
   1 − α_k, α_k = Σ_{v∈D} min(q_k, p_k). Target mass outside D counts as distance the draft
@@ -109,7 +108,6 @@ class _ChunkObjective:
         self.workspace = workspace
         self.with_confidence = with_confidence
         self.d2t = d2t
-        self.ce_argmax = cfg.ce_target == "argmax"
         self.term_weights = tuple(float(cfg.weights.get(t, 0.0)) for t in DISTRIBUTION_TERMS)
         self.gamma = cfg.gamma
         self.slot_bytes = 0  # bytes of one slot's kept gradient, known once a chunk has run
@@ -130,7 +128,7 @@ class _ChunkObjective:
         self.slot_bytes = logits.shape[-1] * logits.element_size()
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         objective, sums, alpha, out_of_vocab = VocabTerms.apply(
-            logits, target_logits, labels, wm, self.term_weights, draft_ids, self.ce_argmax, need_grad, self.workspace
+            logits, target_logits, labels, wm, self.term_weights, draft_ids, need_grad, self.workspace
         )
         confidence, bce_sum = None, None
         if self.with_confidence:

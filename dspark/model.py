@@ -165,14 +165,11 @@ class DSparkDraft(nn.Module):
         self.markov_head = None
         if cfg.markov_rank > 0:
             self.markov_head = MarkovHead(vocab, self.draft_vocab_size, cfg.markov_rank, hidden, cfg.markov_type)
-        # Training-time reparametrisations of the Markov tables, shared by every token and added
-        # to the free tables (the export folds them in): W1 through the verifier's token
-        # embedding, W2 through the lm_head rows.
-        self.markov_embed_proj = self.markov_lm_head_proj = None
+        # A training-time reparametrisation of the Markov table W1 through the verifier's token
+        # embedding, shared by every token and added to the free table (the export folds it in).
+        self.markov_embed_proj = None
         if cfg.markov_embed_proj:
             self.markov_embed_proj = nn.Linear(hidden, cfg.markov_rank, bias=False)
-        if cfg.markov_lm_head_proj:
-            self.markov_lm_head_proj = nn.Linear(cfg.markov_rank, hidden, bias=False)
         self.confidence_head = None
         if cfg.confidence_head:
             with_markov = cfg.confidence_head_with_markov
@@ -190,9 +187,8 @@ class DSparkDraft(nn.Module):
         if self.markov_head is not None:
             # Small previous-token embeddings: the bias starts near zero (pure parallel draft).
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
-        for proj in (self.markov_embed_proj, self.markov_lm_head_proj):
-            if proj is not None:
-                nn.init.zeros_(proj.weight)  # the head starts as without it
+        if self.markov_embed_proj is not None:
+            nn.init.zeros_(self.markov_embed_proj.weight)  # the head starts as without it
 
     def prev_embeddings(self, prev: torch.Tensor) -> torch.Tensor:
         """[..., rank] Markov embeddings W1[prev] of previous tokens prev [...]."""
@@ -207,13 +203,6 @@ class DSparkDraft(nn.Module):
         if self.markov_embed_proj is None:
             return w1
         return w1 + self.embed_tokens.weight.to(w1.dtype) @ self.markov_embed_proj.weight.t()
-
-    def folded_markov_w2(self) -> torch.Tensor:
-        """[V_draft, rank] the W2 matrix the draft uses (with `markov_lm_head_proj` folded in), as exported."""
-        w2 = self.markov_head.markov_w2.weight
-        if self.markov_lm_head_proj is None:
-            return w2
-        return w2 + self.lm_head.weight.to(w2.dtype) @ self.markov_lm_head_proj.weight
 
     @property
     def target_ids(self) -> torch.Tensor:
@@ -230,12 +219,8 @@ class DSparkDraft(nn.Module):
         return {"embed_tokens.weight"} | ({"lm_head.weight"} if self.d2t is None else set())
 
     def training_only(self) -> set[str]:
-        """Names of the training-time Markov projections' parameters: the export folds them into W1 / W2."""
-        return {
-            name
-            for name, _ in self.named_parameters()
-            if name.split(".")[0] in ("markov_embed_proj", "markov_lm_head_proj")
-        }
+        """Names of the training-time Markov projection's parameters: the export folds them into W1."""
+        return {name for name, _ in self.named_parameters() if name.split(".")[0] == "markov_embed_proj"}
 
     def load_verifier(self, verifier: VerifierHead) -> None:
         """Share the verifier's frozen embedding and lm_head (rows of the draft vocabulary)."""
@@ -327,7 +312,7 @@ class DSparkDraft(nn.Module):
         its reused memory (see dspark.workspace)."""
         emb = None if self.markov_head is None else self.prev_embeddings(prev)
         features = None if emb is None else self.markov_head.features(emb, hidden).flatten(0, -2)  # [n·B, rank]
-        w2 = None if emb is None else self.folded_markov_w2()
+        w2 = None if emb is None else self.markov_head.markov_w2.weight
         h = hidden.flatten(0, -2)
         if workspace is not None and not torch.is_autocast_enabled(hidden.device.type):
             flat = DraftLogits.apply(h, self.lm_head.weight, features, w2, workspace)

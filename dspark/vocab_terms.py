@@ -72,16 +72,14 @@ class VocabTerms(torch.autograd.Function):
 
     forward(logits [c, B, Vd], target_logits [c, B, V] (consumed: overwritten), labels [c, B],
     slot_weight [c, B] (w_k on scored slots, 0 elsewhere), term_weights (ce, tv, kl) floats,
-    draft_ids [Vd] ascending verifier ids or None, ce_argmax, need_grad, workspace (reused
+    draft_ids [Vd] ascending verifier ids or None, need_grad, workspace (reused
     buffers, see dspark.workspace) or None) ->
     objective (Σ_t term_weights[t]·sums[t], scalar), sums [3] (ce, tv, kl, each Σ w·term),
     alpha [c, B], out_of_vocab (scored slots whose CE label is not a draft id).
     """
 
     @staticmethod
-    def forward(
-        ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, ce_argmax, need_grad, workspace
-    ):
+    def forward(ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, need_grad, workspace):
         w_ce, w_tv, w_kl = term_weights
         vd, v = logits.shape[-1], target_logits.shape[-1]
         z = wide(logits).reshape(-1, vd)
@@ -102,8 +100,7 @@ class VocabTerms(torch.autograd.Function):
             r = slice(start, start + tile)
             zt, tt, w = z[r], t[r], weight[r]
             n = zt.shape[0]
-            y = tt.argmax(-1) if ce_argmax else labels[r]
-            idx, in_vocab = draft_index(y, draft_ids, vd)
+            idx, in_vocab = draft_index(labels[r], draft_ids, vd)
             diff = None
             if w_kl:  # log p − log q = (t − z) + (lse_q − lse_p), read before t is overwritten
                 diff = (tt if draft_ids is None else tt.index_select(-1, draft_ids)) - zt
@@ -152,7 +149,7 @@ class VocabTerms(torch.autograd.Function):
             raise RuntimeError("dspark_loss: backward runs once per graph (its kept gradient is scaled in place)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None, None
+        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None
 
 
 __all__ = ["TILE_ELEMENTS", "VocabTerms", "draft_index", "wide"]

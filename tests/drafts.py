@@ -24,6 +24,7 @@ BASE_DRAFT = DraftConfig(
     sliding_window=None,
     causal_in_block=False,
     attn_impl="sdpa",
+    markov_embed_proj=False,
 )
 
 

@@ -121,39 +121,6 @@ def test_slot_mask_stops_at_a_document_boundary_and_a_gap():
     assert labels[0, 1, 0].item() == 6 and target_pos[0, 1, 0].item() == 5
 
 
-def successive_inclusion(weights: list[float], k: int) -> list[float]:
-    """P(item i is among k draws without replacement, each ∝ weight of the remaining items):
-    a hand enumeration of every ordered draw sequence."""
-    from itertools import permutations
-
-    n, total = len(weights), [0.0] * len(weights)
-    for seq in permutations(range(n), k):
-        prob, left = 1.0, sum(weights)
-        for i in seq:
-            prob *= weights[i] / left
-            left -= weights[i]
-        for i in seq:
-            total[i] += prob
-    return total
-
-
-@pytest.mark.parametrize("k", [1, 2])
-def test_weighted_anchors_follow_successive_sampling(k):
-    from dspark.anchors import weighted_anchors
-
-    weights = [0.0, 1.0, 2.0, 3.0, 4.0, 0.0]  # positions 0 and 5 are not candidates
-    rows = 40000
-    cand = torch.tensor([False, True, True, True, True, False]).expand(rows, -1)
-    w = torch.tensor(weights).expand(rows, -1)
-    anchors, valid = weighted_anchors(cand, w, k, torch.Generator().manual_seed(0))
-    assert anchors.shape == (rows, k) and bool(valid.all())
-    assert bool((anchors[:, 1:] > anchors[:, :-1]).all())  # distinct, ascending
-    freq = torch.bincount(anchors.flatten(), minlength=6).double() / rows
-    expected = torch.tensor(successive_inclusion(weights, k), dtype=torch.float64)
-    # k=1: exactly w/Σw = [0, .1, .2, .3, .4, 0]; 4 binomial SEs at most ~0.01
-    assert torch.allclose(freq, expected, atol=0.01), (freq, expected)
-
-
 def test_train_anchors_modes():
     from dspark.anchors import train_anchors
 
@@ -166,18 +133,5 @@ def test_train_anchors_modes():
     a1, _ = train_anchors(loss_mask, 3, torch.Generator().manual_seed(5), "uniform")
     a2, _ = sample_anchors(loss_mask, 3, torch.Generator().manual_seed(5))
     assert a1.tolist() == a2.tolist()
-    # confident: only position 4 has confidence; the scorer sees candidate positions only
-    seen = []
-
-    def confidence(pos):
-        seen.append(pos.tolist())
-        return (pos == 4).double() + 1e-12
-
-    anchors, valid = train_anchors(loss_mask, 1, gen, "confident", None, confidence)
-    assert anchors[valid].tolist() == [4] and seen == [every.tolist()]
-    # with a pool, only `pool` uniformly drawn candidates are scored
-    seen.clear()
-    train_anchors(loss_mask, 1, gen, "confident", 3, confidence)
-    assert len(seen[0]) == 3 and set(seen[0]) <= set(every.tolist())
     with pytest.raises(ValueError, match="anchor_sampling"):
         train_anchors(loss_mask, 1, gen, "best")

@@ -1,5 +1,5 @@
 """Initialising the draft from the verifier (dspark.init): weights by name, forward vs HF's layer;
-LR multipliers by module, the Markov projections and the context-noise regulariser."""
+LR multipliers by module, and the Markov embedding projection."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
 from train.config import TrainConfig
-from train.dspark_trainer import noisy_context
 from train.optim import make_optimizer
 
 BLOCK = 4
@@ -36,7 +35,7 @@ def verifier_dir(tmp_path_factory):
     return make_bigram_verifier(tmp_path_factory.mktemp("levers") / "verifier")
 
 
-def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, **projections: bool) -> DSparkDraft:
+def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, markov_embed_proj: bool = False) -> DSparkDraft:
     cfg = DraftConfig(
         num_layers=num_layers,
         block_size=BLOCK,
@@ -48,7 +47,7 @@ def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, **projections
         sliding_window=None,
         causal_in_block=True,
         attn_impl="sdpa",
-        **projections,
+        markov_embed_proj=markov_embed_proj,
     )
     return DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
 
@@ -182,38 +181,38 @@ def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
         make_optimizer(named, cfg)
 
 
-def test_context_noise_is_relative_to_each_aux_state_and_reproducible():
-    """`loss.context_noise`: noise std = scale × RMS of each position's state, per aux layer
-    (checked against the sample std over many positions); the same seeds give the same noise."""
-    hidden, layers, T = 64, 3, 400
-    gen = torch.Generator().manual_seed(0)
-    scales = torch.tensor([0.5, 4.0, 40.0])  # aux layers of very different magnitude
-    context = (torch.randn(2, T, layers, hidden, generator=gen) * scales[:, None]).flatten(-2)
-    context[1, T // 2 :] = 0  # row padding stays zero
-    noisy = noisy_context(context, hidden, 0.2, [7, 8])
-    assert noisy.shape == context.shape and torch.equal(noisy, noisy_context(context, hidden, 0.2, [7, 8]))
-    assert not torch.equal(noisy[0], noisy_context(context, hidden, 0.2, [9, 8])[0])
-    assert torch.equal(noisy[1, T // 2 :], context[1, T // 2 :])
-    x, y = context[0].view(T, layers, hidden), noisy[0].view(T, layers, hidden)
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    ratio = ((y - x) / rms).std(dim=(0, 2))  # per aux layer
-    torch.testing.assert_close(ratio, torch.full((layers,), 0.2), atol=0.01, rtol=0)
+def test_the_markov_embed_proj_trains_at_4x_the_lr_by_default_only(verifier_dir):
+    """`train.lr_scales: {markov_embed_proj: 4.0}` (conf/train.yaml): the projection's own param group
+    at 4 × lr; the published recipe has none (no projection), and the default's entry without the
+    projection is refused with the way to drop it."""
+    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        default = load_section(TrainConfig, compose(config_name="train"), "train")
+        published = load_section(TrainConfig, compose(config_name="train", overrides=["+recipe=published"]), "train")
+    groups = {g["name"]: g for g in make_optimizer(named, default).param_groups}
+    assert set(groups) == {"", "markov_embed_proj"}
+    assert groups["markov_embed_proj"]["params"] == [model.markov_embed_proj.weight]
+    assert groups["markov_embed_proj"]["lr"] == pytest.approx(4 * default.lr) and groups[""]["lr"] == default.lr
+    assert published.lr_scales is None
+    plain = [(n, p) for n, p in draft(verifier_dir, markov_rank=8).named_parameters() if p.requires_grad]
+    assert [g["name"] for g in make_optimizer(plain, published).param_groups] == [""]
+    with pytest.raises(UserError, match=r"\['markov_embed_proj'\] match no trainable parameter.*~train.lr_scales"):
+        make_optimizer(plain, default)
 
 
 @torch.no_grad()
-def test_markov_projections_are_folded_into_the_tables_at_export(verifier_dir, tmp_path):
-    """`model.markov_embed_proj` / `markov_lm_head_proj`: W1[prev] + E[prev]·P and W2 + L·Q in
-    training; the exported drafter holds the folded tables and computes the same logits as a
-    plain vanilla head."""
+def test_markov_embed_proj_is_folded_into_w1_at_export(verifier_dir, tmp_path):
+    """`model.markov_embed_proj`: W1[prev] + E[prev]·P in training; the exported drafter holds
+    the folded table and computes the same logits as a plain vanilla head."""
     verifier = VerifierHead.from_pretrained(verifier_dir)
-    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True, markov_lm_head_proj=True)
+    model = draft(verifier_dir, markov_rank=8, markov_embed_proj=True)
     model.load_verifier(verifier)
-    for proj in (model.markov_embed_proj, model.markov_lm_head_proj):
-        assert not proj.weight.any()  # the head starts as without them
-        torch.nn.init.normal_(proj.weight, std=0.5)
+    assert not model.markov_embed_proj.weight.any()  # the head starts as without it
+    torch.nn.init.normal_(model.markov_embed_proj.weight, std=0.5)
     export_drafter(model, tmp_path / "drafter", str(verifier_dir), vllm_check=False)
     loaded = load_drafter(tmp_path / "drafter", verifier)
-    assert loaded.markov_embed_proj is None and loaded.markov_lm_head_proj is None
+    assert loaded.markov_embed_proj is None
     gen = torch.Generator().manual_seed(0)
     prev = torch.randint(0, model.verifier_vocab_size, (6, BLOCK), generator=gen)
     hidden = torch.randn(6, BLOCK, model.layer_config.hidden_size, generator=gen)
@@ -222,9 +221,8 @@ def test_markov_projections_are_folded_into_the_tables_at_export(verifier_dir, t
     # independent: the bias written out by hand from the parts
     head = model.markov_head
     w1 = head.markov_w1(prev) + model.embed_tokens(prev) @ model.markov_embed_proj.weight.t()
-    w2 = head.markov_w2.weight + model.lm_head.weight @ model.markov_lm_head_proj.weight
-    torch.testing.assert_close(ours, model.lm_head(hidden) + w1 @ w2.t(), rtol=1e-5, atol=1e-4)
-    # the projections are part of what the draft computes (the comparisons above can fail)
+    torch.testing.assert_close(ours, model.lm_head(hidden) + w1 @ head.markov_w2.weight.t(), rtol=1e-5, atol=1e-4)
+    # the projection is part of what the draft computes (the comparisons above can fail)
     table_only = model.lm_head(hidden) + head.markov_w2(head.markov_w1(prev))
     assert not torch.allclose(table_only, ours, atol=1e-3)
 
@@ -249,7 +247,7 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
         trainer.block_size = BLOCK
         trainer.cfg = SimpleNamespace(seed=0, eval_num_anchors=64)
         trainer.loss_cfg = SimpleNamespace(
-            num_anchors=64, anchor_sampling="uniform", anchor_pool=None, context_noise=0.0,
+            num_anchors=64, anchor_sampling="uniform",
             gamma=4.0, train_on_prompt=train_on_prompt,
         )  # fmt: skip
         for train in (True, False):

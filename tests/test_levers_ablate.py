@@ -9,10 +9,8 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from train_stores import (
-    MASK_TOKEN_ID,
     VOCAB,
     make_bigram_verifier,
     make_samples,
@@ -345,58 +343,6 @@ def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_
     elsewhere = provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, tmp_path / "x")), {})
     assert elsewhere["train_key"] == keys["lr"]["train_key"]
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
-
-
-def tiny_overrides(root) -> list[str]:
-    """A 1-layer draft on the tiny store, 96 tokens per step."""
-    return [
-        f"target.name_or_path={root / 'verifier'}",
-        "target.name=tiny",
-        "target.aux_layer_ids=null",
-        f"target.mask_token_id={MASK_TOKEN_ID}",
-        "model.num_layers=1",
-        "model.markov_rank=16",
-        "model.draft_vocab_size=null",
-        "loss.num_anchors=4",
-        f"train.train_store={root / 'store' / 'train'}",
-        f"train.eval_store={root / 'store' / 'eval'}",
-        f"train.token_freqs={root / 'freqs.npy'}",
-        "train.tokens_per_step=96",
-        "train.tokens_per_micro_batch=96",
-        "train.data_workers=0",
-        "train.lr=1e-2",
-    ]
-
-
-@pytest.mark.slow  # trains real runs: make test, not make test-fast
-def test_ema_is_what_is_evaluated_and_exported(tiny_world, tmp_path):
-    """A short run with train.ema_decay: the exported drafter holds the checkpoint's averages, not its raw weights."""
-    from hydra import compose, initialize_config_dir
-
-    from dspark.export import load_drafter
-    from train.__main__ import run
-    from train.checkpoint import read_checkpoint
-
-    args = [
-        *tiny_overrides(tiny_world),
-        "train.max_steps=4",
-        "train.ema_decay=0.9",
-        f"train.run_dir={tmp_path / 'run'}",
-        # one param group, and export tensors named as trained (the projection's fold is tested in test_levers)
-        "model.markov_embed_proj=false",
-    ]
-    with initialize_config_dir(config_dir=str(ablate.REPO / "conf"), version_base=None):
-        run(compose("train", overrides=args))
-    ckpt = read_checkpoint(tmp_path / "run" / "checkpoints" / "latest", rank=0)
-    draft = load_drafter(tmp_path / "run" / "drafter")
-    exported = draft.state_dict()
-    # the optimizer's state is indexed in the order of the trainable parameters
-    trainable = [n for n, p in draft.named_parameters() if p.requires_grad]
-    averages = [s["ema"] for _, s in sorted(ckpt["optimizer"]["state"].items())]
-    assert len(averages) == len(trainable) and "fc.weight" in trainable
-    for name, average in zip(trainable, averages, strict=True):
-        torch.testing.assert_close(exported[name], average.to(exported[name].dtype))
-    assert not torch.equal(exported["fc.weight"], ckpt["weights"]["fc.weight"])
 
 
 def test_make_ablate_trains_todays_defaults_from_the_recipe_alone(tmp_path):

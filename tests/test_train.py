@@ -364,7 +364,7 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
     folded = weights.pop("markov_head.markov_w1.weight") + embed @ proj.t()
     torch.testing.assert_close(exported.pop("markov_head.markov_w1.weight"), folded, rtol=1e-6, atol=1e-6)
     assert proj.abs().max() > 0 and set(exported) == set(weights)
-    # ... and trains in a param group of its own at train.markov_embed_proj_lr_scale (4) x lr (1e-2)
+    # ... and trains in a param group of its own at train.lr_scales.markov_embed_proj (4) x lr (1e-2)
     groups = torch.load(latest / "optimizer.pt", weights_only=True)["optimizer"]["param_groups"]
     assert sorted((g["initial_lr"], len(g["params"])) for g in groups)[1] == (pytest.approx(4e-2), 1)
     for name, value in weights.items():

@@ -47,14 +47,11 @@ def test_take_reuses_idle_memory_only():
 def loss_cfg(chunk_size: int) -> LossConfig:
     return LossConfig(
         weights={"ce": 0.1, "tv": 0.9, "kl": 0.2},
-        ce_target="data",
         confidence_weight=0.5,
         gamma=4.0,
         num_anchors=4,
         chunk_size=chunk_size,
         anchor_sampling="uniform",
-        anchor_pool=None,
-        context_noise=0.0,
         hidden_weight=0.0,
         hidden_slots=None,
         train_on_prompt=False,

@@ -127,9 +127,9 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
 
 def draft_identity(model: DSparkDraft, verifier_name_or_path: str) -> dict:
     """What a draft's weights mean, in config terms (the sections `identity_changes` compares): its
-    verifier, aux layers, mask token and architecture. The training-only Markov projections are
-    left out: a drafter holds them folded into its tables."""
-    arch = {k: v for k, v in asdict(model.cfg).items() if k not in ("markov_embed_proj", "markov_lm_head_proj")}
+    verifier, aux layers, mask token and architecture. The training-only Markov projection is
+    left out: a drafter holds it folded into its table."""
+    arch = {k: v for k, v in asdict(model.cfg).items() if k != "markov_embed_proj"}
     target = {"name_or_path": verifier_name_or_path, "aux_layer_ids": list(model.aux_layer_ids)}
     target["mask_token_id"] = model.mask_token_id
     return {"target": target, "model": {**arch, "draft_vocab_size": model.draft_vocab_size}}
@@ -161,7 +161,7 @@ def warm_start(model: DSparkDraft, path: str, full_cfg: DictConfig, verifier_nam
         if model.d2t is not None:
             check_same_mapping((model.d2t, model.t2d), (other.d2t, other.t2d), names=("this run", path))
         weights = trainable_state(other)
-        # Training-time Markov projections were folded into the drafter's tables: they start at 0 again.
+        # The training-time Markov projection was folded into the drafter's table: it starts at 0 again.
         params = dict(model.named_parameters())
         weights.update({name: params[name].detach().clone() for name in model.training_only() - set(weights)})
         load_trainable_state(model, weights, source)

@@ -87,7 +87,7 @@ def load_trainable_state(model: nn.Module, weights: dict[str, torch.Tensor], sou
     expected = {n for n, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
-        raise ValueError(
+        raise UserError(
             f"{source}: weights do not fit this model (missing {missing[:5]}, unexpected {unexpected[:5]}); "
             "check the model/target config against the checkpoint's config.yaml"
         )
@@ -95,7 +95,7 @@ def load_trainable_state(model: nn.Module, weights: dict[str, torch.Tensor], sou
     with torch.no_grad():
         for name, value in weights.items():
             if params[name].shape != value.shape:
-                raise ValueError(
+                raise UserError(
                     f"{source}: {name} has shape {tuple(value.shape)}, the model has {tuple(params[name].shape)}"
                 )
             params[name].copy_(value)

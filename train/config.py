@@ -61,9 +61,8 @@ class TrainConfig(Checked):
     lr: float
     """Peak learning rate of AdamW."""
     lr_scales: dict[str, float] | None
-    """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`); 0 freezes."""
-    markov_embed_proj_lr_scale: float
-    """LR multiplier of the Markov embedding projection P (`model.markov_embed_proj`; `lr_scales` may override)."""
+    """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`,
+    `markov_embed_proj`); 0 freezes."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]
@@ -101,13 +100,6 @@ class TrainConfig(Checked):
     """accelerate experiment trackers for train/eval figures (tensorboard, wandb, mlflow, ...); metrics.jsonl always."""
     export: bool = resume_field("free")
     """Export the final drafter in speculators format to `run_dir/drafter`."""
-    ema_decay: float | None
-    """Evaluate and export an exponential moving average of the weights with this decay; null = the raw weights."""
-
-    def param_lr_scales(self) -> dict[str, float]:
-        """LR multipliers by parameter-name prefix: the Markov embedding projection's, then
-        `lr_scales` (which may override it); `make_optimizer` groups the parameters by them."""
-        return {"markov_embed_proj": self.markov_embed_proj_lr_scale, **(self.lr_scales or {})}
 
     def __post_init__(self) -> None:
         self.at_least(2, "tokens_per_micro_batch")  # a long sample's windows overlap by one token
@@ -135,11 +127,8 @@ class TrainConfig(Checked):
             self.refuse("min_lr_ratio", "must be in [0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             self.refuse("adam_betas", "must be [beta1, beta2], each in [0, 1)")
-        self.at_least(0, "markov_embed_proj_lr_scale")
         if any(not isinstance(v, (int, float)) or v < 0 for v in (self.lr_scales or {}).values()):
             self.refuse("lr_scales", "must map parameter-name prefixes to multipliers >= 0")
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            self.refuse("ema_decay", "must be null or in (0, 1)")
         layers = self.init_layers_from_verifier
         if not (layers in (None, "auto") or isinstance(layers, list) and all(type(i) is int for i in layers)):
             self.refuse("init_layers_from_verifier", "must be auto, null or a list of layer ids")

@@ -10,7 +10,6 @@ from torch import nn
 
 from dspark.anchors import sample_anchors, slot_targets, train_anchors
 from dspark.config import LossConfig
-from dspark.errors import UserError
 from dspark.export import export_drafter
 from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, weight_sum
 from dspark.metrics import AcceptanceStats
@@ -31,15 +30,6 @@ def anchor_seed(seed: int, epoch: int, sample_id: int, train: bool, window_start
     return int(state[0]) << 31 | int(state[1]) >> 1
 
 
-def noisy_context(context: torch.Tensor, hidden: int, scale: float, seeds: list[int]) -> torch.Tensor:
-    """context [b, T, m·H] plus Gaussian noise of std `scale` × the RMS of each position's aux
-    state (each of the m layers on its own), drawn from one generator per row seeded by `seeds[row]`."""
-    x = context.float().unflatten(-1, (-1, hidden))  # [b, T, m, H]
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds])
-    return (x + scale * rms * noise).flatten(-2).to(context.dtype)
-
-
 class DSparkTrainer(Trainer):
     """Trains a `DSparkDraft` against the verifier distributions of the stored final layer."""
 
@@ -58,11 +48,6 @@ class DSparkTrainer(Trainer):
         self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
         super().__init__(*args, model=model, **kwargs)
         self.verifier = verifier
-        if loss_cfg.anchor_sampling == "confident" and self.device.type == "cuda" and self.cfg.data_workers:
-            raise UserError(
-                "loss.anchor_sampling=confident scores anchors with the verifier's head in the data "
-                "loader; on CUDA set train.data_workers=0 (forked workers cannot use the GPU)"
-            )
         self.term_names = [t for t in DISTRIBUTION_TERMS if t in loss_cfg.weights]
         if model.confidence_head is not None:
             self.term_names.append("confidence")
@@ -76,35 +61,20 @@ class DSparkTrainer(Trainer):
         # Which tokens anchors and scored slots may lie on: the replies' (loss_mask), or in
         # training with loss.train_on_prompt every real token, the prompts' too.
         trained = batch["token_mask"] if train and self.loss_cfg.train_on_prompt else batch["loss_mask"]
-        rows, rows_seeds = [], []
+        rows = []
         windows = zip(batch["sample_ids"].tolist(), batch["window_starts"].tolist(), strict=True)
         for row, (sample_id, start) in enumerate(windows):
-            rows_seeds.append(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
-            gen = torch.Generator().manual_seed(rows_seeds[-1])  # anchors; the context noise takes seed + 1
+            gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
             mask = trained[row : row + 1]
             if not train:  # held-out anchors stay uniform: the metric does not move with the lever
                 rows.append(sample_anchors(mask, num, gen))
                 continue
-            hidden = batch["target_hidden"][row]
-            rows.append(
-                train_anchors(
-                    mask,
-                    num,
-                    gen,
-                    self.loss_cfg.anchor_sampling,
-                    self.loss_cfg.anchor_pool,
-                    lambda pos, h=hidden: self.top_probability(h[pos]),
-                )
-            )
+            rows.append(train_anchors(mask, num, gen, self.loss_cfg.anchor_sampling))
         width = max(a.shape[1] for a, _ in rows)
         anchors = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
         for row, (a, v) in enumerate(rows):
             anchors[row, : a.shape[1]], valid[row, : v.shape[1]] = a[0], v[0]
-        if train and self.loss_cfg.context_noise > 0:
-            hidden = self.raw_model.layer_config.hidden_size
-            noisy = noisy_context(batch["context"], hidden, self.loss_cfg.context_noise, [s + 1 for s in rows_seeds])
-            batch = {**batch, "context": noisy}
         labels, target_pos, slot_mask = slot_targets(batch["token_ids"], trained, anchors, valid, self.block_size)
         return {
             **batch,
@@ -115,11 +85,6 @@ class DSparkTrainer(Trainer):
             "slot_mask": slot_mask,
             "norm_weight": weight_sum(slot_mask, self.loss_cfg.gamma),
         }
-
-    def top_probability(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The verifier's top next-token probability `[n]` from pre-norm final states `[n, H]`."""
-        with torch.no_grad():
-            return self.verifier.logits(target_hidden.to(self.verifier.lm_head_weight)).softmax(-1).amax(-1)
 
     def empty_batch(self) -> Batch:
         """One two-token row with no loss mask: no anchor is valid, nothing is scored."""
@@ -218,4 +183,4 @@ class DSparkTrainer(Trainer):
         export_drafter(self.raw_model, out_dir, self.verifier_name_or_path, extra_meta=meta)
 
 
-__all__ = ["DSparkTrainer", "anchor_seed", "noisy_context"]
+__all__ = ["DSparkTrainer", "anchor_seed"]

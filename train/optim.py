@@ -1,7 +1,7 @@
 """AdamW with its parameters grouped by name, the LR schedule, and optimizer state restored by name.
 
 A param group is identified by its `train.lr_scales` prefix and holds its parameters' names;
-a resume restores each parameter's state (AdamW's moments, the weight average) by its name,
+a resume restores each parameter's state (AdamW's moments) by its name,
 never by position, so reordering `lr_scales` (or changing it) cannot hand one parameter
 another's moments. The schedule is a function of the step and the config alone.
 """
@@ -38,21 +38,22 @@ def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
     """AdamW as every run uses it: the fused kernel (one pass over each parameter instead of a
     chain of foreach ops; ~10x faster on CPU at a 0.5B verifier's draft, see bench train_step).
 
-    `cfg.param_lr_scales()` puts the parameters under each name prefix (a module path, where `*`
-    stands for any one component: `layers.*.mlp`) in a param group of its own at `cfg.lr` × its
-    multiplier (the longest matching prefix wins); the rest train at `cfg.lr`. A prefix of
-    `cfg.lr_scales` that matches no trainable parameter is refused. Each group carries its
+    `cfg.lr_scales` puts the parameters under each name prefix (a module path, where `*` stands
+    for any one component: `layers.*.mlp`) in a param group of its own at `cfg.lr` × its
+    multiplier (the longest matching prefix wins); the rest train at `cfg.lr`. A prefix that
+    matches no trainable parameter is refused. Each group carries its
     prefix (`name`, "" for the rest) and its parameters' names (`param_names`): the groups are
     ordered by name, whatever the order of `lr_scales`, and a resume restores each parameter's
     state by its name (`load_state_by_name`). `initial_lr` is a group's peak LR (`lr` × scale).
     """
-    scales = cfg.param_lr_scales()
+    scales = cfg.lr_scales or {}
     params = dict(named)
     groups = lr_groups([n for n, _ in named], scales)
-    unused = sorted(prefix for prefix in cfg.lr_scales or {} if not groups[prefix])
+    unused = sorted(prefix for prefix in scales if not groups[prefix])
     if unused:
         raise UserError(
-            f"train.lr_scales: {unused} match no trainable parameter (prefixes are module paths, e.g. layers, fc)"
+            f"train.lr_scales: {unused} match no trainable parameter (prefixes are module paths, e.g. layers, fc; "
+            f"drop one with '~train.lr_scales.{unused[0]}')"
         )
     param_groups = [
         {"params": [(n, params[n]) for n in names], "name": prefix, "lr": peak, "initial_lr": peak}
@@ -67,9 +68,10 @@ def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
 
 def name_unnamed_groups(saved: dict, names: list[str], saved_train: DictConfig, source: Path) -> dict:
     """A `state_dict()` saved before param groups carried names: its groups were the non-empty ones
-    of `lr_groups` in the order of the checkpoint's own `train.lr_scales` (the rest first)."""
-    scales = {"markov_embed_proj": saved_train.markov_embed_proj_lr_scale, **(saved_train.lr_scales or {})}
-    groups = [group for group in lr_groups(names, scales).values() if group]
+    of `lr_groups` in the order of the checkpoint's own `train.lr_scales` (the rest first), which
+    trainers of that time led with the Markov embedding projection's group."""
+    prefixes = dict.fromkeys(["markov_embed_proj", *(saved_train.lr_scales or {})])
+    groups = [group for group in lr_groups(names, prefixes).values() if group]
     if [len(g) for g in groups] != [len(g["params"]) for g in saved["param_groups"]]:
         raise UserError(
             f"{source}: its optimizer's param groups do not fit this model; warm-start with train.init_from"
@@ -79,7 +81,7 @@ def name_unnamed_groups(saved: dict, names: list[str], saved_train: DictConfig, 
 
 
 def load_state_by_name(optimizer: torch.optim.Optimizer, saved: dict, source: Path) -> None:
-    """Restore each parameter's optimizer state (AdamW's moments, the weight average) from a saved
+    """Restore each parameter's optimizer state (AdamW's moments) from a saved
     `state_dict()` by parameter name; the groups and their hyperparameters stay this run's."""
     saved_index = {
         name: index

@@ -38,7 +38,6 @@ from dspark.errors import UserError
 from train.checkpoint import CONFIG_FILE, CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
 from train.config import TrainConfig
 from train.data import Batch, StepDataset, StoreSplit, TimedLoader
-from train.ema import WeightAverage
 from train.optim import load_state_by_name, make_optimizer, name_unnamed_groups, warmup_cosine
 from train.reporting import Reporter
 from train.sampler import StepPlanner, share_of_rank
@@ -101,7 +100,6 @@ class Trainer:
         self.param_names = [n for n, _ in named]
         self.nonfinite_in_a_row = 0
         self.optimizer = make_optimizer(named, cfg)
-        self.ema = None if cfg.ema_decay is None else WeightAverage(self.params, self.optimizer, cfg.ema_decay)
         warmup = max(1, math.ceil(cfg.warmup_ratio * self.total_steps)) if cfg.warmup_ratio > 0 else 0
         # The schedule is a function of the step and this config alone (nothing of it is restored):
         # a resume that changes lr, warmup or the length follows the new values from its first step.
@@ -158,10 +156,6 @@ class Trainer:
         """Writes the deployable model to `out_dir` (rank 0 only); returns nothing."""
 
     # ----- helpers for subclasses -----
-    def averaged(self):
-        """Context with the weight average swapped in (`train.ema_decay`); a no-op without one."""
-        return nullcontext() if self.ema is None else self.ema.applied()
-
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
@@ -224,8 +218,7 @@ class Trainer:
                 self.state.step_in_epoch = 0
         self.evaluate_and_save(final=True)
         if cfg.export and acc.is_main_process:
-            with self.averaged():
-                self.export(self.run_dir / "drafter", self.state.last_eval)
+            self.export(self.run_dir / "drafter", self.state.last_eval)
             self.reporter.message(f"drafter exported to {self.run_dir / 'drafter'}")
         acc.wait_for_everyone()
         self.reporter.close()
@@ -281,8 +274,6 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * factor
             self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update(self.state.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.count_nonfinite(skipped)
         out = self.summarize(totals)
@@ -319,7 +310,7 @@ class Trainer:
         mine = share_of_rank(planner, planner.micro_batches(range(n)), acc.process_index, acc.num_processes)
         loader = self.loader(self.eval_split, [[b] for b in mine], epoch=0, train=False)
         self.raw_model.eval()
-        with torch.no_grad(), acc.autocast(), self.averaged():
+        with torch.no_grad(), acc.autocast():
             metrics = self.evaluate(self.to_device(b) for step in loader for b in step)
         self.raw_model.train()
         self.reporter.eval(self.state.step, metrics)
