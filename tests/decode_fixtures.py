@@ -37,11 +37,13 @@ def make_small_verifier(out: Path, vocab: int, seed: int = 0, logit_scale: float
     return out
 
 
-def export_small_drafter(verifier_dir: Path, out: Path, draft_vocab: list[int] | None, block_size: int, seed=0):
-    """A random drafter exported to `out` (draft_vocab: the target ids of a reduced vocabulary)."""
+def small_draft(verifier_dir: Path, draft_vocab: list[int] | None, block_size: int, seed=0, **overrides) -> DSparkDraft:
+    """A random drafter on the verifier (draft_vocab: the target ids of a reduced vocabulary;
+    overrides: other DraftConfig fields)."""
     verifier = VerifierHead.from_pretrained(verifier_dir)
     d2t = None if draft_vocab is None else torch.tensor(draft_vocab) - torch.arange(len(draft_vocab))
-    cfg = draft_config(block_size=block_size, markov_rank=4, draft_vocab_size=None if d2t is None else len(draft_vocab))
+    vocab = None if d2t is None else len(draft_vocab)
+    cfg = draft_config(block_size=block_size, markov_rank=4, draft_vocab_size=vocab, **overrides)
     torch.manual_seed(seed)
     model = DSparkDraft(cfg, verifier.config, AUX_LAYER_IDS, verifier.vocab_size - 1, d2t=d2t)
     model.load_verifier(verifier)
@@ -49,7 +51,12 @@ def export_small_drafter(verifier_dir: Path, out: Path, draft_vocab: list[int] |
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.3 * torch.randn_like(p))
-    return export_drafter(model, out, str(verifier_dir))
+    return model
+
+
+def export_small_drafter(verifier_dir: Path, out: Path, draft_vocab: list[int] | None, block_size: int, seed=0):
+    """`small_draft` exported to `out`."""
+    return export_drafter(small_draft(verifier_dir, draft_vocab, block_size, seed), out, str(verifier_dir))
 
 
 def decoder_for(verifier_dir: Path, drafter_dir: Path) -> tuple[SpeculativeDecoder, Qwen3ForCausalLM]:
