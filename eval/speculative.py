@@ -40,6 +40,7 @@ from transformers import DynamicCache
 
 from dspark.attention import BlockLayout
 from dspark.model import DSparkDraft
+from dspark.servable import markov_head_problem
 
 
 @dataclass
@@ -145,8 +146,9 @@ class SpeculativeDecoder:
     """Batched speculative decoding of a verifier with a DSpark drafter (see the module doc)."""
 
     def __init__(self, verifier: Verifier, draft: DSparkDraft):
-        if draft.markov_head is not None and draft.cfg.markov_type != "vanilla":
-            raise ValueError(f"vLLM builds only the vanilla Markov head; this drafter's is {draft.cfg.markov_type!r}")
+        head = markov_head_problem(draft.cfg.markov_rank, draft.cfg.markov_type)
+        if head is not None:
+            raise ValueError(f"this drafter has {head}")
         if verifier.layer_ids != draft.aux_layer_ids:
             raise ValueError(f"verifier captures layers {verifier.layer_ids}, the drafter reads {draft.aux_layer_ids}")
         self.verifier = verifier

@@ -57,3 +57,10 @@ def test_cached_context_equals_full_reprojection(tmp_path, window, causal):
     full = reprojected(n_ctx)
     assert not torch.allclose(stale[0], full[0], atol=1e-3)
     torch.testing.assert_close(stale[1:], full[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_non_vanilla_markov_head_is_refused(tmp_path):
+    verifier_dir = make_small_verifier(tmp_path / "verifier", vocab=16, seed=0)
+    verifier = Verifier(Qwen3ForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32), AUX_LAYER_IDS)
+    with pytest.raises(ValueError, match="'gated' Markov head: vLLM builds only the vanilla"):
+        SpeculativeDecoder(verifier, small_draft(verifier_dir, None, block_size=4, markov_type="gated"))
