@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 from drafts import draft_config
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from bench.tiny_models import tiny_qwen3_config
 from dspark.export import export_drafter, load_drafter
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
@@ -19,17 +20,7 @@ AUX_LAYER_IDS = [1, 2]
 def make_small_verifier(out: Path, vocab: int, seed: int = 0, logit_scale: float = 3.0) -> Path:
     """A random 3-layer Qwen3 over `vocab` tokens, with distributions neither flat nor one-hot."""
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3_config(vocab, hidden_size=32, num_layers=3, max_position_embeddings=512)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(std=logit_scale / 32**0.5)
