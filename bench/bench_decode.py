@@ -14,6 +14,7 @@ Run: python -m bench.bench_decode   (or python -m bench only=decode)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -22,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from bench import write_figures
-from dspark.config import DraftConfig
+from bench.tiny_models import TINY_DRAFT, tiny_qwen3_config
 from dspark.export import export_drafter, load_drafter
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
@@ -37,32 +38,10 @@ PROMPTS, PROMPT_LEN, NEW_TOKENS, ROUNDS = 2, 32, 32, 2
 
 def random_models(root: Path) -> tuple[Path, Path]:
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=2048,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3_config(2048, hidden_size=128, num_layers=4, max_position_embeddings=1024)
     Qwen3ForCausalLM(config).save_pretrained(root / "verifier")
     head = VerifierHead.from_pretrained(root / "verifier")
-    cfg = DraftConfig(
-        num_layers=1,
-        block_size=4,
-        draft_vocab_size=None,
-        markov_rank=16,
-        markov_type="vanilla",
-        confidence_head=True,
-        confidence_head_with_markov=True,
-        sliding_window=None,
-        causal_in_block=False,
-        attn_impl="sdpa",
-        markov_embed_proj=False,
-    )
+    cfg = dataclasses.replace(TINY_DRAFT, num_layers=1, markov_rank=16)
     draft = DSparkDraft(cfg, head.config, [1, 2, 3], 2047)
     draft.load_verifier(head)
     export_drafter(draft, root / "drafter", str(root / "verifier"))

@@ -107,8 +107,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [b, heads, L, d] with cos/sin [b, L, d]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """RoPE on x [..., L, heads, d] with cos/sin [..., L, d]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return x * cos + rotate_half(x) * sin
 
 
@@ -141,33 +141,34 @@ class DraftAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def keys_values(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k-norm, then RoPE) and values [..., kv_heads, d] of states hidden [..., H] at the
+        positions of cos/sin [..., d]. A context position's pair depends on its own state and
+        position only, never on the block that reads it (see `DSparkDraft.context_kv`)."""
+        shape = (*hidden.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(hidden).view(shape))
+        return apply_rope(k, cos, sin), self.v_proj(hidden).view(shape)
+
     def forward(
         self,
         x: torch.Tensor,
-        context: torch.Tensor,
-        context_needed: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask,
     ) -> torch.Tensor:
-        """x [b, Q, H] block slots; context [N, H] the needed context positions, in order;
-        context_needed [b, T] bool (`BlockLayout.context_needed`, N True); cos/sin [b, T+Q, d]
-        (context, then block); mask from `BlockLayout.dense()` (sdpa) or `BlockLayout.flex()` (flex)."""
+        """x [b, Q, H] block slots at the positions of cos/sin [b, Q, d]; context_kv the context's
+        keys and values [b, T, kv_heads, d] (`keys_values` of its states, zeros where the mask
+        hides them); mask over [context ; block] from `BlockLayout.dense()` (sdpa) or
+        `BlockLayout.flex()` (flex)."""
         bsz, q_len, _ = x.shape
-        kv_len = context_needed.shape[1] + q_len
-
-        def keys(proj: nn.Linear) -> torch.Tensor:
-            """[b, T+Q, kv] projection of the needed context (zeros elsewhere: masked) and the block."""
-            projected = proj(context)  # in the autocast dtype, when autocast is on
-            ctx = projected.new_zeros(*context_needed.shape, proj.out_features)
-            return torch.cat([ctx.index_put((context_needed,), projected), proj(x)], dim=1)
-
-        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(keys(self.k_proj).view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = keys(self.v_proj).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        ctx_len = context_needed.shape[1]
-        q = apply_rope(q, cos[:, ctx_len:], sin[:, ctx_len:])
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        q = q.transpose(1, 2)
+        k = torch.cat([context_kv[0], k], dim=1).transpose(1, 2)
+        v = torch.cat([context_kv[1], v], dim=1).transpose(1, 2)
         gqa = self.num_heads != self.num_kv_heads
         if self.attn_impl == "flex":
             out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)

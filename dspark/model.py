@@ -88,8 +88,8 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, context, context_needed, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context, context_needed, cos, sin, mask)
+    def forward(self, x, context_kv, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -275,12 +275,11 @@ class DSparkDraft(nn.Module):
             )
         # Padding anchors may hold any value; their rows are discarded by the loss.
         anchors = anchors.long().clamp(0, seq_len - 1)
-        x = self.embed_tokens(self.block_inputs(input_ids, anchors)).flatten(1, 2)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=context.device).expand(bsz, seq_len)
         offsets = torch.arange(self.block_size, device=context.device)
         block_pos = (position_ids.gather(1, anchors).unsqueeze(-1) + offsets).flatten(1)
-        cos, sin = self.rotary_emb(x, torch.cat([position_ids, block_pos], dim=1))
+        cos, sin = self.rope(torch.cat([position_ids, block_pos], dim=1))
         if document_ids is None:
             document_ids = torch.zeros_like(input_ids)
         layout = BlockLayout(
@@ -291,13 +290,50 @@ class DSparkDraft(nn.Module):
             self.cfg.sliding_window,
             self.cfg.causal_in_block,
         )
-        mask = layout.flex() if self.cfg.attn_impl == "flex" else layout.dense()
-        # Only the context positions a block can see: [N, H] (see BlockLayout.context_needed).
+        # Only the context positions a block can see (see BlockLayout.context_needed); zeros elsewhere.
         needed = layout.context_needed()
-        ctx = self.hidden_norm(self.fc(context[needed].to(self.fc.weight.dtype)))
-        for layer in self.layers:
-            x = layer(x, ctx, needed, cos, sin, mask)
-        return self.norm(x).view(bsz, anchors.shape[1], self.block_size, self.layer_config.hidden_size)
+        context_kv = [
+            tuple(t.new_zeros(bsz, seq_len, *t.shape[1:]).index_put((needed,), t) for t in kv)
+            for kv in self.context_kv(context[needed], cos[:, :seq_len][needed], sin[:, :seq_len][needed])
+        ]
+        blocks = self.block_inputs(input_ids, anchors)
+        return self.block_hidden(blocks, cos[:, seq_len:], sin[:, seq_len:], context_kv, layout)
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos, sin [b, L, d] of position_ids [b, L] (in the dtype of the block's embeddings)."""
+        return self.rotary_emb(self.embed_tokens.weight, position_ids)
+
+    def context_kv(
+        self, aux: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer, the keys and values [N, kv_heads, d] of N context tokens: their aux
+        hidden states aux [N, m·H] through `fc` and `hidden_norm`, then the layer's k/v
+        projections, k-norm and RoPE at their positions (cos/sin [N, d], from `rope`).
+
+        Nothing else enters them (not the blocks that attend them), so a decoder can keep them
+        for the tokens it has accepted and project only the new ones, as vLLM's KV cache does.
+        """
+        ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def block_hidden(
+        self,
+        blocks: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: BlockLayout,
+    ) -> torch.Tensor:
+        """Hidden states [b, A, B, H] after the final norm of the blocks of input ids blocks
+        [b, A, B] (`block_inputs`) at the positions of cos/sin [b, A·B, d], attending per
+        layout the context's keys and values context_kv (per layer, [b, T, kv_heads, d]: see
+        `context_kv`; zeros where no block sees them)."""
+        bsz, num_anchors, _ = blocks.shape
+        x = self.embed_tokens(blocks).flatten(1, 2)
+        mask = layout.flex() if self.cfg.attn_impl == "flex" else layout.dense()
+        for layer, kv in zip(self.layers, context_kv, strict=True):
+            x = layer(x, kv, cos, sin, mask)
+        return self.norm(x).view(bsz, num_anchors, self.block_size, self.layer_config.hidden_size)
 
     def heads(
         self,

@@ -67,6 +67,16 @@ def tensor_names(drafter: Path) -> set[str]:
         raise UserError(f"{drafter / WEIGHTS_FILE}: not a readable safetensors file ({err})") from None
 
 
+def markov_head_problem(markov_rank: int | None, head_type: str) -> str | None:
+    """Why vLLM would not serve a drafter with this Markov head, or None when it would."""
+    if (markov_rank or 0) > 0 and head_type != "vanilla":
+        return (
+            f"a {head_type!r} Markov head: vLLM builds only the vanilla Markov head (markov_w1, markov_w2) "
+            "and refuses this head's other tensors; serve a vanilla-head drafter"
+        )
+    return None
+
+
 def static_problems(drafter, num_speculative_tokens: int | None = None) -> list[Problem]:
     """What config.json and the safetensors header alone show vLLM would refuse or read otherwise."""
     drafter = Path(drafter)
@@ -100,15 +110,9 @@ def static_problems(drafter, num_speculative_tokens: int | None = None) -> list[
                     breaks_export=True,
                 )
             )
-    head_type = config.get("markov_head_type", "vanilla")
-    if (config.get("markov_rank") or 0) > 0 and head_type != "vanilla":
-        problems.append(
-            Problem(
-                f"{drafter}: a {head_type!r} Markov head: vLLM builds only the vanilla Markov head (markov_w1, markov_w2) "
-                "and refuses this head's other tensors; serve a vanilla-head drafter",
-                breaks_export=False,
-            )
-        )
+    head = markov_head_problem(config.get("markov_rank"), config.get("markov_head_type", "vanilla"))
+    if head is not None:
+        problems.append(Problem(f"{drafter}: {head}", breaks_export=False))
     block = config.get("block_size")
     if num_speculative_tokens is not None and isinstance(block, int) and num_speculative_tokens != block:
         bidirectional = not layers.get("is_causal", False)
@@ -193,4 +197,4 @@ def check_servable(drafter_dir, num_speculative_tokens: int | None = None, *, ve
         raise UserError(f"vLLM would not serve {drafter_dir} as trained: {reasons}")
 
 
-__all__ = ["Problem", "check_servable", "servable_problems", "static_problems", "vllm_problems"]
+__all__ = ["Problem", "check_servable", "markov_head_problem", "servable_problems", "static_problems", "vllm_problems"]

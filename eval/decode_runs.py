@@ -21,7 +21,7 @@ from dspark.verifier import VerifierHead
 from eval.config import EvalConfig
 from eval.offline import pick_device, score_samples
 from eval.online import load_prompt_rows
-from eval.speculative import CostModel, DecodeOutput, SpeculativeDecoder, Verifier
+from eval.speculative import CostModel, DecodeOutput, DraftContext, SpeculativeDecoder, Verifier
 
 
 @dataclass
@@ -116,7 +116,9 @@ def profile_costs(engine: SpeculativeDecoder, prompt: list[int], replays: int) -
     ids = torch.tensor([prompt], device=dev)
     cache = DynamicCache()
     _, aux = engine.verifier.forward(ids, torch.arange(len(prompt), device=dev)[None], torch.ones_like(ids), cache)
-    ctx = torch.cat([aux, aux[:, :1]], 1)
+    context = DraftContext(engine.draft, 1, len(prompt) + 1)
+    positions = torch.arange(len(prompt), device=dev)
+    context.append(aux[0], torch.zeros_like(positions), positions)
     n_ctx = torch.tensor([len(prompt)], device=dev)
     anchor = ids[:, -1]
 
@@ -128,7 +130,7 @@ def profile_costs(engine: SpeculativeDecoder, prompt: list[int], replays: int) -
             times.append(1000 * (time.perf_counter() - start))
         return float(np.median(times[1:]))
 
-    draft_ms = timed(lambda: engine.draft_block(ctx, n_ctx, anchor, 0.0, None))
+    draft_ms = timed(lambda: engine.draft_block(context, n_ctx, anchor, 0.0, None))
     verify_ms = [0.0]
     for n in range(1, B + 2):
 

@@ -23,6 +23,10 @@ confidences one step stale; 1 before the first draft).
 
 Rows of a batch run independently: each keeps its own positions, and cache columns another
 row wrote are masked out of its attention.
+
+The drafter's context keys and values depend on each context token's aux states and position
+only (`DSparkDraft.context_kv`), so, as vLLM's KV cache does, each row keeps them per draft
+layer (`DraftContext`) and a step projects only the tokens it accepted.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
+from dspark.attention import BlockLayout
 from dspark.model import DSparkDraft
+from dspark.servable import markov_head_problem
 
 
 @dataclass
@@ -107,6 +113,30 @@ class Verifier:
         return aux.float(), self._captured[self.num_layers][0].float()
 
 
+class DraftContext:
+    """Per draft layer, the context keys and values [b, capacity, kv_heads, d] of each row's
+    accepted tokens (row r's token at position j in column j; zeros past the row's context)."""
+
+    def __init__(self, draft: DSparkDraft, rows: int, capacity: int):
+        self.draft = draft
+        self.shape = (rows, capacity, draft.layer_config.num_key_value_heads, draft.layer_config.head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def append(self, aux: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Project and store N new context tokens: aux states aux [N, m·H] of rows [N] at positions [N]."""
+        cos, sin = self.draft.rope(positions[None])
+        new = self.draft.context_kv(aux, cos[0], sin[0])
+        if not self.layers:
+            self.layers = [tuple(t.new_zeros(self.shape) for t in kv) for kv in new]
+        for cached, kv in zip(self.layers, new, strict=True):
+            for store, t in zip(cached, kv, strict=True):
+                store[rows, positions] = t
+
+    def columns(self, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of positions 0..width−1."""
+        return [(k[:, :width], v[:, :width]) for k, v in self.layers]
+
+
 def _sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One id per row of probs [b, V]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -116,8 +146,9 @@ class SpeculativeDecoder:
     """Batched speculative decoding of a verifier with a DSpark drafter (see the module doc)."""
 
     def __init__(self, verifier: Verifier, draft: DSparkDraft):
-        if draft.markov_head is not None and draft.cfg.markov_type != "vanilla":
-            raise ValueError(f"vLLM builds only the vanilla Markov head; this drafter's is {draft.cfg.markov_type!r}")
+        head = markov_head_problem(draft.cfg.markov_rank, draft.cfg.markov_type)
+        if head is not None:
+            raise ValueError(f"this drafter has {head}")
         if verifier.layer_ids != draft.aux_layer_ids:
             raise ValueError(f"verifier captures layers {verifier.layer_ids}, the drafter reads {draft.aux_layer_ids}")
         self.verifier = verifier
@@ -127,17 +158,29 @@ class SpeculativeDecoder:
         self.vocab_size = draft.verifier_vocab_size
         self.target_ids = draft.target_ids.to(self.device)
 
-    def draft_block(self, ctx, n_ctx, anchor, temperature, generator):
+    def block_hidden(self, context: DraftContext, n_ctx: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """[b, B, H] draft hidden states of each row's block `[anchor, mask×(B−1)]` at positions
+        n_ctx..n_ctx+B−1 over its n_ctx context tokens (the drafter's forward with one anchor per row)."""
+        b, B, dev = anchor.shape[0], self.block_size, self.device
+        width = int(n_ctx.max()) + 1
+        anchors = n_ctx[:, None]
+        layout = BlockLayout(
+            anchors,
+            torch.ones(b, 1, dtype=torch.bool, device=dev),
+            torch.zeros(b, width, dtype=torch.long, device=dev),
+            B,
+            self.draft.cfg.sliding_window,
+            self.draft.cfg.causal_in_block,
+        )
+        blocks = self.draft.block_inputs(anchor[:, None], torch.zeros_like(anchors))
+        cos, sin = self.draft.rope(anchors + torch.arange(B, device=dev))
+        return self.draft.block_hidden(blocks, cos, sin, context.columns(width), layout)[:, 0]
+
+    def draft_block(self, context, n_ctx, anchor, temperature, generator):
         """Drafted target ids [b, B], their draft probabilities in target vocab [b, B, V] (None at
         temperature 0) and confidences [b, B] (None without a confidence head)."""
         b, B = anchor.shape[0], self.block_size
-        width = int(n_ctx.max()) + 1
-        rows = torch.arange(b, device=self.device)
-        ids = torch.zeros(b, width, dtype=torch.long, device=self.device)
-        ids[rows, n_ctx] = anchor
-        hidden = self.draft(
-            ctx[:, :width], ids, n_ctx[:, None], torch.ones(b, 1, dtype=torch.bool, device=self.device)
-        )[:, 0]  # [b, B, H]
+        hidden = self.block_hidden(context, n_ctx, anchor)
         prev, tokens, probs, conf = anchor, [], [], []
         for k in range(B):
             logits, c = self.draft.heads(hidden[:, k : k + 1], prev[:, None])
@@ -215,9 +258,8 @@ class SpeculativeDecoder:
         cache = DynamicCache()
         positions = (mask.long().cumsum(1) - 1).clamp_min(0)
         logits, aux = self.verifier.forward(ids, positions, mask.long(), cache)
-        cap = width + max_new_tokens + B + 1
-        ctx = aux.new_zeros(b, cap, aux.shape[-1])  # per row, aux states of positions 0..n_ctx-1
-        ctx[:, :width][mask.flip(1)] = aux[mask]  # left-aligned: row r's prompt at 0..len−1
+        context = DraftContext(self.draft, b, width + max_new_tokens + B + 1)
+        context.append(aux[mask], mask.nonzero()[:, 0], positions[mask])
         seen = mask.clone()  # cache columns each row attends
         n_ctx = lengths.clone()
         last = logits[:, -1]
@@ -229,7 +271,7 @@ class SpeculativeDecoder:
         accepted_log, drafted_log, active_log = [], [], []
         while bool((produced < max_new_tokens).any()):
             active = produced < max_new_tokens
-            drafted, q, conf = self.draft_block(ctx, n_ctx, anchor, temperature, generator)
+            drafted, q, conf = self.draft_block(context, n_ctx, anchor, temperature, generator)
             budget = torch.full((b,), B, device=dev)
             if costs is not None:
                 budget = torch.from_numpy(costs.budget(stale_conf)).to(dev)
@@ -250,7 +292,7 @@ class SpeculativeDecoder:
             cache.crop(used - cache.get_seq_length())  # drops the rejected drafts' columns (0: none)
             seen = seen[:, :used]
             r_idx, j_idx = keep.nonzero(as_tuple=True)
-            ctx[r_idx, n_ctx[r_idx] + j_idx] = aux[r_idx, j_idx]
+            context.append(aux[r_idx, j_idx], r_idx, n_ctx[r_idx] + j_idx)
             new = torch.cat([drafted[:, :k], next_token[:, None]], 1)
             new[rows, accepted] = next_token
             r_idx, j_idx = keep.nonzero(as_tuple=True)
@@ -272,4 +314,4 @@ class SpeculativeDecoder:
         ]
 
 
-__all__ = ["CostModel", "DecodeOutput", "SpeculativeDecoder", "Verifier"]
+__all__ = ["CostModel", "DecodeOutput", "DraftContext", "SpeculativeDecoder", "Verifier"]

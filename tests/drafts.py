@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from bench.tiny_models import TINY_DRAFT
 from dspark.config import DraftConfig
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
@@ -13,23 +14,9 @@ from dspark.verifier import VerifierHead
 # Qwen3's first embedding row past its 151,669-token tokenizer.
 QWEN3_MASK_TOKEN_ID = 151669
 
-BASE_DRAFT = DraftConfig(
-    num_layers=2,
-    block_size=4,
-    draft_vocab_size=None,
-    markov_rank=8,
-    markov_type="vanilla",
-    confidence_head=True,
-    confidence_head_with_markov=True,
-    sliding_window=None,
-    causal_in_block=False,
-    attn_impl="sdpa",
-    markov_embed_proj=False,
-)
-
 
 def draft_config(**overrides) -> DraftConfig:
-    return dataclasses.replace(BASE_DRAFT, **overrides)
+    return dataclasses.replace(TINY_DRAFT, **overrides)
 
 
 def random_d2t(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> torch.Tensor:

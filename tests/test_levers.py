@@ -86,22 +86,23 @@ def test_copied_layer_computes_what_the_verifiers_layer_computes(verifier_dir):
     layout = BlockLayout(
         anchors, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long), BLOCK, None, True
     )
-    needed = layout.context_needed()  # none: the block at anchor 0 sees no context key
-    context = torch.randn(int(needed.sum()), hidden)
+    lc = model.layer_config
+    # the block at anchor 0 sees no context key: one masked (zero) context position
+    context_kv = (torch.zeros(1, 1, lc.num_key_value_heads, lc.head_dim),) * 2
     positions = torch.arange(BLOCK)[None]
-    cos, sin = model.rotary_emb(x, torch.cat([torch.zeros(1, 1, dtype=torch.long), positions], 1))
+    cos, sin = model.rope(positions)
     hf_cos, hf_sin = hf.model.rotary_emb(x, positions)
     causal = torch.full((BLOCK, BLOCK), float("-inf")).triu(1)[None, None]
     for j, i in enumerate([1, 3]):
-        ours = model.layers[j](x, context, needed, cos, sin, layout.dense())
+        ours = model.layers[j](x, context_kv, cos, sin, layout.dense())
         theirs = hf.model.layers[i](
             x, attention_mask=causal, position_ids=positions, position_embeddings=(hf_cos, hf_sin)
         )
         theirs = theirs[0] if isinstance(theirs, tuple) else theirs
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     # and a random-init layer does not (the comparison can fail)
-    fresh = draft(verifier_dir).layers[0](x, context, needed, cos, sin, layout.dense())
-    assert not torch.allclose(fresh, model.layers[0](x, context, needed, cos, sin, layout.dense()), atol=1e-3)
+    fresh = draft(verifier_dir).layers[0](x, context_kv, cos, sin, layout.dense())
+    assert not torch.allclose(fresh, model.layers[0](x, context_kv, cos, sin, layout.dense()), atol=1e-3)
 
 
 def test_bad_layer_choices_are_user_errors(verifier_dir):
