@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
@@ -80,20 +80,28 @@ def prompt_sets(cfg: EvalConfig, tokenizer, max_prompt_tokens: int) -> dict[str,
 
 def hf_generate(model, prompt: list[int], max_new_tokens: int, temperature: float, seed: int = 0) -> list[int]:
     """The verifier's own decoding with transformers `generate` (greedy at 0, pure sampling otherwise);
-    EOS does not stop it."""
+    EOS does not stop it.
+
+    The settings go as keyword arguments: values left None in a GenerationConfig object are filled in
+    from the model's own generation config (its `eos_token_id` among them), which would stop at EOS.
+    """
     sampled = temperature > 0
-    gen = GenerationConfig(
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(
+        ids,
         do_sample=sampled,
         temperature=temperature if sampled else None,
         top_k=0 if sampled else None,
         top_p=1.0 if sampled else None,
         max_new_tokens=max_new_tokens,
+        min_new_tokens=None,
         eos_token_id=None,
         pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    ids = torch.tensor([prompt], device=model.device)
-    return model.generate(ids, generation_config=gen)[0, len(prompt) :].tolist()
+    )[0, len(prompt) :].tolist()
+    if len(out) != max_new_tokens:
+        raise RuntimeError(f"transformers generate returned {len(out)} of {max_new_tokens} tokens")
+    return out
 
 
 def check_lossless(benchmark: str, prompts: list[list[int]], outputs: list[list[int]], references: list[list[int]]):

@@ -9,17 +9,37 @@ import numpy as np
 import pytest
 import torch
 from decode_fixtures import decoder_for, export_small_drafter, make_small_verifier
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM
 
+from eval.decode_runs import hf_generate
 from eval.speculative import CostModel
 
 PROMPTS = [[1, 5, 2], [3, 3, 0, 6, 1, 2, 7], [4], [7, 7, 1], [2, 0, 4, 4, 1], [6, 5]]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    out = model.generate(torch.tensor([prompt]), generation_config=gen)
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
     return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Argmax of a full forward over the whole sequence, token by token (no cache, no EOS)."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_the_reference_decoding_does_not_stop_at_the_models_eos(tmp_path):
+    """A verifier whose generation config names an EOS the greedy decoding passes through: the
+    lossless check's reference (and the T=1 answers of the offline τ) still run to full length."""
+    model = AutoModelForCausalLM.from_pretrained(make_small_verifier(tmp_path / "v", vocab=8, seed=3)).eval()
+    prompt = PROMPTS[1]
+    want = naive_greedy(model, prompt, 24)
+    model.generation_config.eos_token_id = want[3]
+    assert hf_generate(model, prompt, 24, 0.0) == want
+    assert len(hf_generate(model, prompt, 24, 1.0, seed=0)) == 24
 
 
 @pytest.fixture(scope="module")
