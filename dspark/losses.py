@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dspark.config import DISTRIBUTION_TERMS, LossConfig
+from dspark.config import LossConfig
 from dspark.metrics import AcceptanceStats, check_draft_width, draft_target_ids
-from dspark.vocab_terms import VocabTerms, wide
+from dspark.vocab_terms import VOCAB_TERMS, VocabTerms, term_weights, wide
 from dspark.workspace import Workspace
 
 
@@ -108,7 +108,7 @@ class _ChunkObjective:
         self.workspace = workspace
         self.with_confidence = with_confidence
         self.d2t = d2t
-        self.term_weights = tuple(float(cfg.weights.get(t, 0.0)) for t in DISTRIBUTION_TERMS)
+        self.term_weights = term_weights(cfg.weights)
         self.gamma = cfg.gamma
         self.slot_bytes = 0  # bytes of one slot's kept gradient, known once a chunk has run
 
@@ -201,7 +201,7 @@ def dspark_loss(
         norm = weight_sum(slot_mask, cfg.gamma)
     # With no scored slot anywhere every sum is 0: the loss is 0, not 0/0.
     norm = torch.as_tensor(norm, dtype=torch.float64, device=hidden.device).clamp_min(1e-12)
-    terms = tuple(t for t in DISTRIBUTION_TERMS if t in cfg.weights)
+    terms = tuple(t for t in VOCAB_TERMS if t in cfg.weights)
     objective = _ChunkObjective(heads_fn, with_confidence, target_logits_fn, d2t, cfg, workspace)
 
     # Memory: each chunk's vocabulary-sized work (both projections, VocabTerms) runs and is
@@ -237,7 +237,7 @@ def dspark_loss(
         out_of_vocab.append(oov)
 
     norm_ = norm.to(term_sums.dtype)
-    normalized = {t: term_sums[DISTRIBUTION_TERMS.index(t)] / norm_ for t in terms}
+    normalized = {t: term_sums[VOCAB_TERMS.index(t)] / norm_ for t in terms}
     loss = objective_total / norm_
     if with_confidence:
         normalized["confidence"] = confidence_total / norm_
@@ -261,7 +261,6 @@ def dspark_loss(
 
 
 __all__ = [
-    "DISTRIBUTION_TERMS",
     "LossOutput",
     "dspark_loss",
     "hidden_match_sum",

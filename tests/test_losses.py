@@ -12,6 +12,7 @@ from torch import nn
 
 from dspark.config import LossConfig
 from dspark.losses import dspark_loss, position_weights, weight_sum
+from dspark.vocab_terms import term_weights
 
 H, V, R, B = 12, 40, 6, 4
 
@@ -306,6 +307,12 @@ def test_terms_at_weight_zero_leave_the_confidence_head_or_nothing():
     torch.testing.assert_close(out.loss, cfg.confidence_weight * out.terms["confidence"])
     with pytest.raises(ValueError, match="nothing to train"):
         run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, confidence=False)
+
+
+def test_unknown_vocabulary_term_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown term\(s\) \['l1'\]; known: \['ce', 'tv', 'kl'\]"):
+        term_weights({"ce": 1.0, "l1": 1.0})
+    assert term_weights({"kl": 0.5, "ce": 2}) == (2.0, 0.0, 0.5)  # in VOCAB_TERMS order, 0 where absent
 
 
 def saved_bytes_for_backward(n: int, keep_budget: int | None) -> int:

@@ -11,10 +11,11 @@ from torch import nn
 from dspark.anchors import sample_anchors, slot_targets, train_anchors
 from dspark.config import LossConfig
 from dspark.export import export_drafter
-from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, weight_sum
+from dspark.losses import LossOutput, dspark_loss, weight_sum
 from dspark.metrics import AcceptanceStats
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
+from dspark.vocab_terms import VOCAB_TERMS
 from dspark.workspace import Workspace
 from train.data import Batch
 from train.trainer import Trainer
@@ -48,7 +49,7 @@ class DSparkTrainer(Trainer):
         self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
         super().__init__(*args, model=model, **kwargs)
         self.verifier = verifier
-        self.term_names = [t for t in DISTRIBUTION_TERMS if t in loss_cfg.weights]
+        self.term_names = [t for t in VOCAB_TERMS if t in loss_cfg.weights]
         if model.confidence_head is not None:
             self.term_names.append("confidence")
         if loss_cfg.hidden_weight > 0:
