@@ -23,23 +23,25 @@ position p+k; m_k = Σ_{v∈D} p_k[v] (1 with the full vocabulary). Terms:
 Each term is Σ_slots w_k·term / norm with w_k = exp(−k/γ) and norm = the sum of w_k over
 scored slots of the whole data-parallel batch (`weight_sum`, all-reduced by the trainer),
 so every rank's gradient has the same scale. loss = Σ_t weights[t]·term_t +
-confidence_weight·confidence.
+confidence_weight·confidence + hidden_weight·hidden. `TERMS` registers the terms.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dspark.config import DISTRIBUTION_TERMS, LossConfig
+from dspark.config import LossConfig
 from dspark.metrics import AcceptanceStats, check_draft_width, draft_target_ids
-from dspark.vocab_terms import VocabTerms, wide
+from dspark.vocab_terms import VOCAB_TERMS, VocabTerms, term_weights, wide
 from dspark.workspace import Workspace
 
 
@@ -50,7 +52,7 @@ class LossOutput:
     loss: Tensor
     """Scalar to backpropagate."""
     terms: dict[str, Tensor]
-    """Each computed term, normalized but not multiplied by its weight (`ce`, `tv`, `kl`, `confidence`, `hidden`)."""
+    """Each computed term, normalized but not multiplied by its weight (names: `term_names`)."""
     acceptance: AcceptanceStats
     """Per-position acceptance sums and counts of this batch (local to this rank)."""
     alpha: Tensor
@@ -97,112 +99,224 @@ def keep_budget_bytes(device: torch.device) -> int:
     return 1 << 30
 
 
-class _ChunkObjective:
-    """Weighted term sums of one chunk of blocks (a plain callable, so it can be checkpointed)."""
+@dataclass
+class LossInputs:
+    """What the loss terms read, for n blocks of B slots of one rank's batch."""
 
-    def __init__(self, heads_fn, with_confidence, target_logits_fn, d2t, cfg, workspace):
-        # With a workspace, both projections write into its reused buffers (dspark.workspace).
-        ws = {} if workspace is None else {"workspace": workspace}
-        self.heads_fn = lambda hidden, prev: heads_fn(hidden, prev, **ws)
-        self.target_logits_fn = lambda target_hidden: target_logits_fn(target_hidden, **ws)
+    heads_fn: Callable[..., tuple[Tensor, Tensor | None]]
+    """`(hidden [c, B, H], prev [c, B]) -> (logits [c, B, Vd], confidence [c, B] | None)`: the
+    Markov-corrected draft logits and, with `with_confidence`, the confidence head's logits."""
+    target_logits_fn: Callable[..., Tensor]
+    """`(target_hidden [c, B, Ht]) -> [c, B, V]`: the verifier's logits."""
+    hidden: Tensor  # [n, B, H] the draft's final states after its norm
+    prev: Tensor  # [n, B] the token at p+k
+    target_hidden: Tensor  # [n, B, Ht] the verifier's pre-norm final state at p+k
+    labels: Tensor  # [n, B] the data token p+k+1
+    slot_mask: Tensor  # [n, B] scored slots
+    norm: Tensor | float | None = None
+    """The all-reduced `weight_sum` (None: this batch's own, for a single process)."""
+    with_confidence: bool = False
+    """`heads_fn` returns confidence logits (the `confidence` term trains them against α)."""
+    d2t: Tensor | None = None  # [Vd] draft->target id offsets; None: the full vocabulary
+    target_norm_fn: Callable[[Tensor], Tensor] | None = None
+    """`(target_hidden [n, B, Ht]) -> [n, B, Ht]`: the verifier's final norm (read by `hidden`)."""
+
+    BLOCK_FIELDS: ClassVar[tuple[str, ...]] = ("hidden", "prev", "target_hidden", "labels", "slot_mask")
+    """The per-block tensors, split into chunks along their first dimension."""
+
+    def blocks(self) -> tuple[Tensor, ...]:
+        """The `BLOCK_FIELDS` tensors."""
+        return tuple(getattr(self, name) for name in self.BLOCK_FIELDS)
+
+    def with_blocks(self, *blocks: Tensor) -> LossInputs:
+        """These inputs with other `BLOCK_FIELDS` tensors (e.g. one chunk's)."""
+        return dataclasses.replace(self, **dict(zip(self.BLOCK_FIELDS, blocks, strict=True)))
+
+
+@dataclass
+class VocabPass:
+    """One chunk's vocabulary pass (both projections, `VocabTerms`): what its chunk terms read."""
+
+    slot_weight: Tensor  # [c, B] w_k on scored slots, 0 elsewhere
+    objective: Tensor  # scalar Σ_t loss.weights[t]·sums[t], differentiable in the draft logits
+    sums: Tensor  # [len(VOCAB_TERMS)] Σ w_k·term of each vocabulary term
+    alpha: Tensor  # [c, B] analytic acceptance
+    confidence_logit: Tensor | None  # [c, B] the confidence head's logits
+    out_of_vocab: Tensor  # scalar: scored slots whose CE label is not a draft id
+
+
+TermFn = Callable[[LossInputs, VocabPass | None, LossConfig], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class Term:
+    """A loss term: loss += weight(cfg)·objective / norm, and each metric sum / norm is reported."""
+
+    weight: Callable[[LossConfig], float]
+    """Its weight in the loss; a term at 0 is not computed."""
+    compute: TermFn
+    """`(inputs, shared, cfg) -> (objective, metrics)`, each a sum over slots of w_k·term."""
+    per_chunk: bool = False
+    """Computed in each chunk from its `VocabPass` (`shared`) and added up, else once (`shared` None)."""
+    needs_confidence: bool = False
+    """Computed only with `LossInputs.with_confidence`."""
+    metrics: Callable[[LossConfig], tuple[str, ...]] | None = None
+    """Names of its metrics (None: the term's own name)."""
+
+
+def _vocab_metrics(cfg: LossConfig) -> tuple[str, ...]:
+    """The vocabulary terms `loss.weights` gives a weight > 0."""
+    return tuple(t for t in VOCAB_TERMS if t in cfg.weights)
+
+
+def _vocab(inputs: LossInputs, shared: VocabPass, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The vocabulary terms with a weight (their weights are inside `shared.objective`)."""
+    return shared.objective, {t: shared.sums[VOCAB_TERMS.index(t)] for t in _vocab_metrics(cfg)}
+
+
+def _confidence(inputs: LossInputs, shared: VocabPass, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """BCE of the confidence head's logit against α (a constant)."""
+    logit = shared.confidence_logit.to(shared.alpha.dtype)
+    bce = F.binary_cross_entropy_with_logits(logit, shared.alpha, reduction="none")
+    bce_sum = (bce * shared.slot_weight).sum()
+    return bce_sum, {"confidence": bce_sum}
+
+
+def _hidden(inputs: LossInputs, shared: None, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The draft's normed final state against the verifier's, on each block's leading `loss.hidden_slots`."""
+    if inputs.target_norm_fn is None:
+        raise ValueError("loss.hidden_weight > 0 needs target_norm_fn (the verifier's final norm)")
+    with torch.no_grad():
+        target = inputs.target_norm_fn(inputs.target_hidden)
+    block_size = inputs.slot_mask.shape[-1]
+    first = torch.arange(block_size, device=inputs.slot_mask.device) < (cfg.hidden_slots or block_size)
+    scored = inputs.slot_mask & first  # later slots' states depend on tokens the draft does not see
+    hidden_sum = hidden_match_sum(inputs.hidden, target, scored, cfg.gamma)
+    return hidden_sum, {"hidden": hidden_sum}
+
+
+TERMS: dict[str, Term] = {
+    # Always computed: α (acceptance, the confidence target) comes from its pass, and its
+    # objective (0 with every weight at 0) keeps the draft logits in every rank's graph.
+    "vocab": Term(lambda cfg: 1.0, _vocab, per_chunk=True, metrics=_vocab_metrics),
+    "confidence": Term(lambda cfg: cfg.confidence_weight, _confidence, per_chunk=True, needs_confidence=True),
+    "hidden": Term(lambda cfg: cfg.hidden_weight, _hidden),
+}
+"""The loss terms by name, in the order they are added up."""
+
+
+def active_terms(cfg: LossConfig, with_confidence: bool) -> dict[str, Term]:
+    """The terms `dspark_loss` computes under `cfg`."""
+    return {
+        name: term
+        for name, term in TERMS.items()
+        if term.weight(cfg) > 0 and (with_confidence or not term.needs_confidence)
+    }
+
+
+def term_names(cfg: LossConfig, with_confidence: bool) -> list[str]:
+    """The keys of `LossOutput.terms` under `cfg`, in order."""
+    names = []
+    for name, term in active_terms(cfg, with_confidence).items():
+        names += term.metrics(cfg) if term.metrics else (name,)
+    return names
+
+
+class _Chunk:
+    """The vocabulary pass and the chunk terms of one chunk (a plain callable, so it can be checkpointed)."""
+
+    def __init__(self, inputs: LossInputs, terms: dict[str, Term], cfg: LossConfig, workspace: Workspace | None):
+        self.inputs = inputs  # the batch's: each call replaces its per-block tensors with one chunk's
+        self.terms = {name: term for name, term in terms.items() if term.per_chunk}
+        self.cfg = cfg
+        self.term_weights = term_weights(cfg.weights)
         self.workspace = workspace
-        self.with_confidence = with_confidence
-        self.d2t = d2t
-        self.term_weights = tuple(float(cfg.weights.get(t, 0.0)) for t in DISTRIBUTION_TERMS)
-        self.gamma = cfg.gamma
+        # With a workspace, both projections write into its reused buffers (dspark.workspace).
+        self.ws = {} if workspace is None else {"workspace": workspace}
         self.slot_bytes = 0  # bytes of one slot's kept gradient, known once a chunk has run
 
-    def __call__(self, hidden, prev, target_hidden, labels, slot_mask):
-        logits, confidence_logit = self.heads_fn(hidden, prev)
+    def vocab_pass(self, inputs: LossInputs) -> VocabPass:
+        logits, confidence_logit = inputs.heads_fn(inputs.hidden, inputs.prev, **self.ws)
         with torch.no_grad():  # the verifier is frozen: its distribution is a constant target
-            target_logits = self.target_logits_fn(target_hidden)
-        check_draft_width(logits.shape[-1], target_logits.shape[-1], self.d2t)
-        draft_ids = None if self.d2t is None else draft_target_ids(self.d2t.to(logits.device))
+            target_logits = inputs.target_logits_fn(inputs.target_hidden, **self.ws)
+        d2t = inputs.d2t
+        check_draft_width(logits.shape[-1], target_logits.shape[-1], d2t)
+        draft_ids = None if d2t is None else draft_target_ids(d2t.to(logits.device))
         if draft_ids is not None and draft_ids.numel() and int(draft_ids[-1]) >= target_logits.shape[-1]:
             raise ValueError(
                 f"d2t maps draft id(s) to target id {int(draft_ids[-1])}, "
                 f"outside the verifier vocabulary of {target_logits.shape[-1]}"
             )
         dtype = wide(logits).dtype
-        wm = slot_mask.to(dtype) * position_weights(slot_mask.shape[-1], self.gamma, logits.device, dtype)
+        slot_mask = inputs.slot_mask
+        wm = slot_mask.to(dtype) * position_weights(slot_mask.shape[-1], self.cfg.gamma, logits.device, dtype)
         self.slot_bytes = logits.shape[-1] * logits.element_size()
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         objective, sums, alpha, out_of_vocab = VocabTerms.apply(
-            logits, target_logits, labels, wm, self.term_weights, draft_ids, need_grad, self.workspace
+            logits, target_logits, inputs.labels, wm, self.term_weights, draft_ids, need_grad, self.workspace
         )
-        confidence, bce_sum = None, None
-        if self.with_confidence:
-            logit = confidence_logit.to(alpha.dtype)
-            bce = F.binary_cross_entropy_with_logits(logit, alpha, reduction="none")
-            bce_sum = (bce * wm).sum()
-            confidence = torch.sigmoid(logit.detach())
-        return objective, sums, bce_sum, alpha * slot_mask, confidence, out_of_vocab
+        return VocabPass(wm, objective, sums, alpha, confidence_logit, out_of_vocab)
+
+    def __call__(self, *blocks: Tensor):
+        # The chunk's tensors are the call's arguments, so a checkpoint saves (and version-checks) them.
+        inputs = self.inputs.with_blocks(*blocks)
+        shared = self.vocab_pass(inputs)
+        sums = {name: term.compute(inputs, shared, self.cfg) for name, term in self.terms.items()}
+        confidence = None
+        if inputs.with_confidence:
+            confidence = torch.sigmoid(shared.confidence_logit.detach().to(shared.alpha.dtype))
+        return sums, shared.alpha * inputs.slot_mask, confidence, shared.out_of_vocab
 
 
-def _check_inputs(hidden, prev, target_hidden, labels, slot_mask) -> None:
-    """Shapes of one call (the config's values were checked when it was built: LossConfig.__post_init__)."""
+def _check_inputs(inputs: LossInputs) -> None:
+    """Shapes and d2t of one call (the config's values were checked when it was built: LossConfig.__post_init__)."""
+    hidden = inputs.hidden
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [n, B, H], got shape {tuple(hidden.shape)}")
     nb = tuple(hidden.shape[:2])
-    for name, t in (("prev", prev), ("labels", labels), ("slot_mask", slot_mask)):
-        if tuple(t.shape) != nb:
-            raise ValueError(f"{name} must be [n, B] = {list(nb)}, got {list(t.shape)}")
+    for name in ("prev", "labels", "slot_mask"):
+        shape = tuple(getattr(inputs, name).shape)
+        if shape != nb:
+            raise ValueError(f"{name} must be [n, B] = {list(nb)}, got {list(shape)}")
+    target_hidden = inputs.target_hidden
     if target_hidden.dim() != 3 or tuple(target_hidden.shape[:2]) != nb:
         raise ValueError(f"target_hidden must be [n, B, H] with [n, B] = {list(nb)}, got {list(target_hidden.shape)}")
+    if inputs.d2t is not None:
+        ids = draft_target_ids(inputs.d2t.reshape(-1))
+        if inputs.d2t.dim() != 1 or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("d2t must be 1-D with strictly ascending target ids (as dspark.vocab builds it)")
+
+
+def _add(a: tuple[Tensor, dict[str, Tensor]], b: tuple[Tensor, dict[str, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Two chunks' (objective, metrics) of one term, added up."""
+    return a[0] + b[0], {m: v + b[1][m] for m, v in a[1].items()}
 
 
 def dspark_loss(
-    heads_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]],
-    target_logits_fn: Callable[[Tensor], Tensor],
-    hidden: Tensor,
-    prev: Tensor,
-    target_hidden: Tensor,
-    labels: Tensor,
-    slot_mask: Tensor,
-    cfg: LossConfig,
-    norm: Tensor | float | None = None,
-    *,
-    with_confidence: bool = False,
-    d2t: Tensor | None = None,
-    keep_budget: int | None = None,
-    workspace: Workspace | None = None,
-    target_norm_fn: Callable[[Tensor], Tensor] | None = None,
+    inputs: LossInputs, cfg: LossConfig, *, keep_budget: int | None = None, workspace: Workspace | None = None
 ) -> LossOutput:
-    """The DSpark loss of n blocks of B slots (see the module docstring for the terms).
+    """The DSpark loss of n blocks of B slots: the `TERMS` whose weight under `cfg` is > 0.
 
-    `heads_fn(hidden [c, B, H], prev [c, B]) -> (logits [c, B, Vd], confidence [c, B] | None)`:
-    the Markov-corrected draft logits and, when `with_confidence`, the confidence head's
-    logits (trained against α); `target_logits_fn(target_hidden [c, B, Ht]) -> [c, B, V]`
-    verifier logits from the pre-norm final hidden state at p+k;
-    `prev [n, B]` the token at p+k; `labels [n, B]` the data token p+k+1; `slot_mask [n, B]`;
-    `d2t [Vd]` draft→target offsets or None for the full vocabulary; `norm` the all-reduced
-    `weight_sum` (None: this batch's own, for a single process); `keep_budget` bytes of
-    per-chunk gradients kept from forward to backward (None: `keep_budget_bytes`; 0: recompute
-    every chunk but the first in backward); `workspace` reused vocabulary-sized buffers
-    (dspark.workspace), passed on to both functions as `workspace=` when given;
-    `target_norm_fn(target_hidden) -> [n, B, Ht]` the verifier's final norm (needed for the
-    `hidden` term, i.e. when `cfg.hidden_weight > 0`; `hidden` is then the draft's normed state).
+    `keep_budget`: bytes of per-chunk gradients kept from forward to backward (None:
+    `keep_budget_bytes`; 0: recompute every chunk but the first in backward); `workspace`:
+    reused vocabulary-sized buffers (dspark.workspace), passed on to `inputs.heads_fn` and
+    `inputs.target_logits_fn` as `workspace=` when given.
     """
-    _check_inputs(hidden, prev, target_hidden, labels, slot_mask)
-    if cfg.hidden_weight > 0 and target_norm_fn is None:
-        raise ValueError("loss.hidden_weight > 0 needs target_norm_fn (the verifier's final norm)")
-    if not cfg.weights and not with_confidence and not cfg.hidden_weight:
+    _check_inputs(inputs)
+    if not term_names(cfg, inputs.with_confidence):
         raise ValueError(
             "loss.weights has no term with a weight > 0, loss.hidden_weight is 0 and there is no "
-            "confidence head: nothing to train"
+            "confidence head (or loss.confidence_weight is 0): nothing to train"
         )
-    if d2t is not None:
-        ids = draft_target_ids(d2t.reshape(-1))
-        if d2t.dim() != 1 or not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError("d2t must be 1-D with strictly ascending target ids (as dspark.vocab builds it)")
-    n, block_size = slot_mask.shape
-    slot_mask = slot_mask.bool()
-    if norm is None:
-        norm = weight_sum(slot_mask, cfg.gamma)
+    inputs = dataclasses.replace(inputs, slot_mask=inputs.slot_mask.bool())
+    n, block_size = inputs.slot_mask.shape
+    norm = weight_sum(inputs.slot_mask, cfg.gamma) if inputs.norm is None else inputs.norm
     # With no scored slot anywhere every sum is 0: the loss is 0, not 0/0.
-    norm = torch.as_tensor(norm, dtype=torch.float64, device=hidden.device).clamp_min(1e-12)
-    terms = tuple(t for t in DISTRIBUTION_TERMS if t in cfg.weights)
-    objective = _ChunkObjective(heads_fn, with_confidence, target_logits_fn, d2t, cfg, workspace)
+    norm = torch.as_tensor(norm, dtype=torch.float64, device=inputs.hidden.device).clamp_min(1e-12)
+    terms = active_terms(cfg, inputs.with_confidence)
+    # Terms over the whole batch first: one that cannot run fails before the chunks' work.
+    totals = {name: term.compute(inputs, None, cfg) for name, term in terms.items() if not term.per_chunk}
+    chunk_objective = _Chunk(inputs, terms, cfg, workspace)
 
     # Memory: each chunk's vocabulary-sized work (both projections, VocabTerms) runs and is
     # freed before the next chunk starts; what outlives forward is one [chunk, B, Vd] gradient
@@ -212,60 +326,53 @@ def dspark_loss(
     # projections included), so memory stays bounded however many anchors a batch holds.
     blocks_per_chunk = max(1, cfg.chunk_size // block_size)
     if keep_budget is None and torch.is_grad_enabled():
-        keep_budget = keep_budget_bytes(hidden.device)
-    objective_total, confidence_total, term_sums = 0.0, 0.0, None
+        keep_budget = keep_budget_bytes(inputs.hidden.device)
     alphas, confidences, out_of_vocab = [], [], []
     kept = 0
     # range(max(n, 1)): an empty batch still runs the heads once (on zero blocks), so every
     # data-parallel rank builds a graph over the same parameters.
     for start in range(0, max(n, 1), blocks_per_chunk):
-        chunk = slice(start, start + blocks_per_chunk)
-        args = (hidden[chunk], prev[chunk], target_hidden[chunk], labels[chunk], slot_mask[chunk])
+        args = tuple(t[start : start + blocks_per_chunk] for t in inputs.blocks())
         # The first chunk is always kept: its gradient is no larger than the chunk's own working memory.
-        chunk_bytes = args[0].shape[0] * block_size * objective.slot_bytes
+        chunk_bytes = args[0].shape[0] * block_size * chunk_objective.slot_bytes
         if start and torch.is_grad_enabled() and kept + chunk_bytes > keep_budget:
-            obj, chunk_sums, bce, alpha, confidence, oov = checkpoint(objective, *args, use_reentrant=False)
+            sums, alpha, confidence, oov = checkpoint(chunk_objective, *args, use_reentrant=False)
         else:
             kept += chunk_bytes
-            obj, chunk_sums, bce, alpha, confidence, oov = objective(*args)
-        objective_total = objective_total + obj
-        term_sums = chunk_sums if term_sums is None else term_sums + chunk_sums
-        if bce is not None:
-            confidence_total = confidence_total + bce
+            sums, alpha, confidence, oov = chunk_objective(*args)
+        for name, value in sums.items():
+            totals[name] = _add(totals[name], value) if name in totals else value
         alphas.append(alpha)
         confidences.append(confidence)
         out_of_vocab.append(oov)
 
-    norm_ = norm.to(term_sums.dtype)
-    normalized = {t: term_sums[DISTRIBUTION_TERMS.index(t)] / norm_ for t in terms}
-    loss = objective_total / norm_
-    if with_confidence:
-        normalized["confidence"] = confidence_total / norm_
-        loss = loss + cfg.confidence_weight * normalized["confidence"]
-    if cfg.hidden_weight > 0:
-        with torch.no_grad():
-            target = target_norm_fn(target_hidden)
-        first = torch.arange(block_size, device=slot_mask.device) < (cfg.hidden_slots or block_size)
-        scored = slot_mask & first  # later slots' states depend on tokens the draft does not see
-        normalized["hidden"] = hidden_match_sum(hidden, target, scored, cfg.gamma) / norm.to(hidden.dtype)
-        loss = loss + cfg.hidden_weight * normalized["hidden"]
+    loss, normalized = 0.0, {}
+    for name, term in terms.items():  # in registry order
+        objective, metrics = totals[name]
+        loss = loss + term.weight(cfg) * (objective / norm.to(objective.dtype))
+        normalized.update({m: value / norm.to(value.dtype) for m, value in metrics.items()})
     alpha = torch.cat(alphas)
     return LossOutput(
         loss=loss,
         terms={name: value.detach() for name, value in normalized.items()},
-        acceptance=AcceptanceStats.from_alpha(alpha, slot_mask),
+        acceptance=AcceptanceStats.from_alpha(alpha, inputs.slot_mask),
         alpha=alpha,
-        confidence=torch.cat(confidences) if with_confidence else None,
+        confidence=torch.cat(confidences) if inputs.with_confidence else None,
         ce_out_of_vocab=torch.stack(out_of_vocab).sum(),
     )
 
 
 __all__ = [
-    "DISTRIBUTION_TERMS",
+    "TERMS",
+    "LossInputs",
     "LossOutput",
+    "Term",
+    "VocabPass",
+    "active_terms",
     "dspark_loss",
     "hidden_match_sum",
     "keep_budget_bytes",
     "position_weights",
+    "term_names",
     "weight_sum",
 ]

@@ -16,10 +16,15 @@ kept gradient), and the elementwise work reuses three tile-sized buffers for eve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
 from dspark.workspace import Workspace, scratch
+
+VOCAB_TERMS = ("ce", "tv", "kl")
+"""The vocabulary terms, in the order of `VocabTerms`' weights and sums; `loss.weights` names them."""
 
 TILE_ELEMENTS = 1 << 24
 """Elements per row tile of the elementwise work on CPU (64 MiB per float32 work buffer).
@@ -32,6 +37,14 @@ slower than 100-row tiles at a 152k vocabulary on 2 busy cores)."""
 def wide(x: Tensor) -> Tensor:
     """Half-precision logits to float32 (softmax over ~150k entries needs it); wider kept."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def term_weights(weights: Mapping[str, float]) -> tuple[float, ...]:
+    """Each of `VOCAB_TERMS`' weight in `weights` (0 where absent); an unknown name is refused."""
+    unknown = sorted(set(weights) - set(VOCAB_TERMS))
+    if unknown:
+        raise ValueError(f"unknown term(s) {unknown}; known: {list(VOCAB_TERMS)}")
+    return tuple(float(weights.get(t, 0.0)) for t in VOCAB_TERMS)
 
 
 def draft_index(target: Tensor, draft_ids: Tensor | None, draft_vocab: int) -> tuple[Tensor, Tensor]:
@@ -71,7 +84,7 @@ class VocabTerms(torch.autograd.Function):
     """Weighted sums of ce, tv, kl over a chunk of slots; differentiable in the draft logits only.
 
     forward(logits [c, B, Vd], target_logits [c, B, V] (consumed: overwritten), labels [c, B],
-    slot_weight [c, B] (w_k on scored slots, 0 elsewhere), term_weights (ce, tv, kl) floats,
+    slot_weight [c, B] (w_k on scored slots, 0 elsewhere), term_weights (`term_weights`),
     draft_ids [Vd] ascending verifier ids or None, need_grad, workspace (reused
     buffers, see dspark.workspace) or None) ->
     objective (Σ_t term_weights[t]·sums[t], scalar), sums [3] (ce, tv, kl, each Σ w·term),
@@ -152,4 +165,4 @@ class VocabTerms(torch.autograd.Function):
         return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None
 
 
-__all__ = ["TILE_ELEMENTS", "VocabTerms", "draft_index", "wide"]
+__all__ = ["TILE_ELEMENTS", "VOCAB_TERMS", "VocabTerms", "draft_index", "term_weights", "wide"]

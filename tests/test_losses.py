@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import LossConfig
-from dspark.losses import dspark_loss, position_weights, weight_sum
+from dspark.losses import LossInputs, dspark_loss, position_weights, term_names, weight_sum
+from dspark.vocab_terms import term_weights
 
 H, V, R, B = 12, 40, 6, 4
 
@@ -97,21 +98,14 @@ def run_loss(
     keep_budget=None,
     norm_fn=None,
 ):
-    return dspark_loss(
-        lambda h, tok: (heads.draft_logits(h, tok), heads.confidence_logits(h, tok) if confidence else None),
-        verifier.logits,
-        hidden,
-        prev,
-        target_hidden,
-        labels,
-        slot_mask,
-        cfg,
-        norm,
-        with_confidence=confidence,
-        d2t=d2t,
-        keep_budget=keep_budget,
-        target_norm_fn=norm_fn,
+    def heads_fn(h, tok):
+        return heads.draft_logits(h, tok), heads.confidence_logits(h, tok) if confidence else None
+
+    blocks = (hidden, prev, target_hidden, labels, slot_mask)
+    inputs = LossInputs(
+        heads_fn, verifier.logits, *blocks, norm=norm, with_confidence=confidence, d2t=d2t, target_norm_fn=norm_fn
     )
+    return dspark_loss(inputs, cfg, keep_budget=keep_budget)
 
 
 def naive_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm=None):
@@ -306,6 +300,35 @@ def test_terms_at_weight_zero_leave_the_confidence_head_or_nothing():
     torch.testing.assert_close(out.loss, cfg.confidence_weight * out.terms["confidence"])
     with pytest.raises(ValueError, match="nothing to train"):
         run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, confidence=False)
+
+
+def test_unknown_vocabulary_term_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown term\(s\) \['l1'\]; known: \['ce', 'tv', 'kl'\]"):
+        term_weights({"ce": 1.0, "l1": 1.0})
+    assert term_weights({"kl": 0.5, "ce": 2}) == (2.0, 0.0, 0.5)  # in VOCAB_TERMS order, 0 where absent
+
+
+def test_terms_at_weight_zero_are_not_computed():
+    """confidence_weight 0 (with a confidence head) and hidden_weight 0: neither term runs, and the
+    loss is the vocabulary terms' alone, to the bit."""
+    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(seed=11)
+    calls = []
+
+    def norm_fn(h):
+        calls.append(h.shape)
+        return verifier.norm(h)
+
+    cfg = make_cfg(confidence_weight=0.0, hidden_weight=0.0)
+    assert term_names(cfg, with_confidence=True) == ["ce", "tv", "kl"]
+    out = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, norm_fn=norm_fn)
+    assert list(out.terms) == ["ce", "tv", "kl"] and calls == []
+    assert out.confidence is not None  # the head's probabilities are still reported
+    vocab_only = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, cfg, confidence=False)
+    assert torch.equal(out.loss, vocab_only.loss)
+    with_hidden = make_cfg(confidence_weight=0.0, hidden_weight=0.5)
+    out = run_loss(heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t, with_hidden, norm_fn=norm_fn)
+    assert list(out.terms) == term_names(with_hidden, with_confidence=True) == ["ce", "tv", "kl", "hidden"]
+    assert len(calls) == 1
 
 
 def saved_bytes_for_backward(n: int, keep_budget: int | None) -> int:

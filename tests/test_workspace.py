@@ -7,7 +7,7 @@ import torch
 from drafts import draft_config, make_draft, random_d2t
 
 from dspark.config import LossConfig
-from dspark.losses import dspark_loss
+from dspark.losses import LossInputs, dspark_loss
 from dspark.verifier import VerifierHead
 from dspark.vocab_matmul import COLUMN_TILE, project_into
 from dspark.workspace import Workspace
@@ -87,20 +87,9 @@ def test_loss_and_gradients_equal_without_workspace_over_steps(verifier, overrid
         slot_mask = torch.arange(B) < torch.tensor([4, 0, 3, 4, 1])[:, None]
         outs = []
         for workspace in (None, ws):
-            out = dspark_loss(
-                model.heads,
-                verifier.logits,
-                hidden,
-                prev,
-                target_hidden,
-                labels,
-                slot_mask,
-                cfg,
-                with_confidence=True,
-                d2t=model.d2t,
-                keep_budget=keep_budget,
-                workspace=workspace,
-            )
+            blocks = (hidden, prev, target_hidden, labels, slot_mask)
+            inputs = LossInputs(model.heads, verifier.logits, *blocks, with_confidence=True, d2t=model.d2t)
+            out = dspark_loss(inputs, cfg, keep_budget=keep_budget, workspace=workspace)
             outs.append((out, torch.autograd.grad(out.loss, [hidden, *params])))
         (ref, ref_grads), (got, got_grads) = outs
         torch.testing.assert_close(got.loss, ref.loss, rtol=1e-6, atol=1e-7)

@@ -11,7 +11,7 @@ from torch import nn
 from dspark.anchors import sample_anchors, slot_targets, train_anchors
 from dspark.config import LossConfig
 from dspark.export import export_drafter
-from dspark.losses import DISTRIBUTION_TERMS, LossOutput, dspark_loss, weight_sum
+from dspark.losses import LossInputs, LossOutput, dspark_loss, term_names, weight_sum
 from dspark.metrics import AcceptanceStats
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
@@ -48,11 +48,7 @@ class DSparkTrainer(Trainer):
         self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
         super().__init__(*args, model=model, **kwargs)
         self.verifier = verifier
-        self.term_names = [t for t in DISTRIBUTION_TERMS if t in loss_cfg.weights]
-        if model.confidence_head is not None:
-            self.term_names.append("confidence")
-        if loss_cfg.hidden_weight > 0:
-            self.term_names.append("hidden")
+        self.term_names = term_names(loss_cfg, with_confidence=model.confidence_head is not None)
 
     # ----- data (runs in the loader workers) -----
     def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
@@ -111,21 +107,20 @@ class DSparkTrainer(Trainer):
         b, a, k = batch["target_pos"].shape
         pos = batch["target_pos"].reshape(b, a * k, 1).expand(-1, -1, batch["target_hidden"].shape[-1])
         target_hidden = batch["target_hidden"].gather(1, pos).view(b, a, k, -1)[valid]
-        return dspark_loss(
-            draft.heads,
-            self.verifier.logits,
-            hidden[valid],
-            draft.block_tokens(batch["token_ids"], batch["anchors"])[valid],
-            target_hidden.to(self.verifier.lm_head_weight.dtype),
-            batch["labels"][valid],
-            batch["slot_mask"][valid],
-            self.loss_cfg,
-            norm,
+        inputs = LossInputs(
+            heads_fn=draft.heads,
+            target_logits_fn=self.verifier.logits,
+            hidden=hidden[valid],
+            prev=draft.block_tokens(batch["token_ids"], batch["anchors"])[valid],
+            target_hidden=target_hidden.to(self.verifier.lm_head_weight.dtype),
+            labels=batch["labels"][valid],
+            slot_mask=batch["slot_mask"][valid],
+            norm=norm,
             with_confidence=draft.confidence_head is not None,
             d2t=draft.d2t,
-            workspace=self.workspace,
             target_norm_fn=self.verifier.norm,
         )
+        return dspark_loss(inputs, self.loss_cfg, workspace=self.workspace)
 
     def compute_loss(
         self, model: nn.Module, batch: Batch, norm: torch.Tensor
