@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from dspark.config import TargetConfig
@@ -159,41 +160,75 @@ def decode_runs(engine: SpeculativeDecoder, model, sets: dict[str, list[list[int
     if dc.adaptive and engine.draft.confidence_head is not None:
         costs = profile_costs(engine, next(iter(sets.values()))[0], dc.profile_replays)
     runs = []
+    modes = [None] if costs is None else [None, costs]
+    bar = tqdm(
+        total=sum(len(p) for p in sets.values()) * len(dc.temperatures) * len(modes),
+        desc="decode",
+        unit="prompt",
+        dynamic_ncols=True,
+    )
     for benchmark, prompts in sets.items():
         references = None
         for temperature in dc.temperatures:
-            for cost in [None] if costs is None else [None, costs]:
+            for cost in modes:
+                bar.set_postfix_str(f"{benchmark} T={temperature:g} {'adaptive' if cost else 'fixed'}")
                 start = time.perf_counter()
                 outputs = []
                 for i in range(0, len(prompts), dc.batch_size):
                     batch = prompts[i : i + dc.batch_size]
                     outputs += engine.generate(batch, dc.max_new_tokens, temperature, dc.seed + i, cost)
+                    bar.update(len(batch))
                 wall = time.perf_counter() - start
                 if temperature == 0:
                     if references is None:
                         references = [hf_generate(model, p, dc.max_new_tokens, 0.0) for p in prompts]
                     check_lossless(benchmark, prompts, [o.output_ids for o in outputs], references)
                 runs.append(DecodeRun(benchmark, float(temperature), cost is not None, prompts, outputs, wall))
+    bar.close()
     return runs, costs
 
 
 def offline_tau(engine: SpeculativeDecoder, model, sets: dict[str, list[list[int]]], cfg: EvalConfig) -> dict:
     """Per prompt set: the drafter's offline τ (eval.offline's scoring) on verifier answers to its prompts
     sampled with transformers at temperature 1, as BlockTables keyed by benchmark."""
-    head = VerifierHead(model.config, model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight)
     tables = {}
     for benchmark, prompts in sets.items():
-
-        def samples(prompts=prompts):
-            for i, prompt in enumerate(prompts):
-                answer = hf_generate(model, prompt, cfg.decode.max_new_tokens, 1.0, cfg.decode.seed + i)
-                ids = torch.tensor(prompt + answer, device=model.device)
-                context, final = engine.verifier.states(ids)
-                mask = torch.arange(len(ids)) >= len(prompt)
-                yield i, context, final, ids.cpu(), mask
-
-        tables[benchmark] = score_samples(engine.draft, head, samples(), cfg.offline, pick_device(cfg.decode.device))
+        answers = (
+            hf_generate(model, prompt, cfg.decode.max_new_tokens, 1.0, cfg.decode.seed + i)
+            for i, prompt in enumerate(tqdm(prompts, desc=f"offline τ {benchmark}", unit="prompt", dynamic_ncols=True))
+        )
+        tables[benchmark] = score_answers(engine, model, prompts, answers, cfg)
     return tables
 
 
-__all__ = ["DecodeRun", "check_lossless", "decode_runs", "hf_generate", "load_engine", "offline_tau", "prompt_sets"]
+def score_answers(engine: SpeculativeDecoder, model, prompts: list[list[int]], answers, cfg: EvalConfig):
+    """BlockTable of the drafter's offline τ on each prompt's answer (the verifier's states of prompt +
+    answer, every anchor in the answer), or None when no answer has a block."""
+    head = VerifierHead(model.config, model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight)
+
+    def samples():
+        for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+            ids = torch.tensor(prompt + answer, device=model.device)
+            context, final = engine.verifier.states(ids)
+            yield i, context, final, ids.cpu(), torch.arange(len(ids)) >= len(prompt)
+
+    return score_samples(engine.draft, head, samples(), cfg.offline, pick_device(cfg.decode.device))
+
+
+def block_starts(prompt_len: int, accepted_per_step: list[int]) -> np.ndarray:
+    """Sequence positions of the anchors a decode run drafted from: the first generated token, then
+    each step's verifier token after its accepted drafts."""
+    return prompt_len + np.concatenate([[0], np.cumsum(np.asarray(accepted_per_step) + 1)[:-1]]).astype(np.int64)
+
+
+__all__ = [
+    "DecodeRun",
+    "block_starts",
+    "check_lossless",
+    "decode_runs",
+    "hf_generate",
+    "load_engine",
+    "offline_tau",
+    "prompt_sets",
+    "score_answers",
+]

@@ -13,7 +13,7 @@ from transformers import Qwen3ForCausalLM
 from dspark.config import load_section
 from dspark.errors import UserError
 from eval.config import DecodeConfig
-from eval.decode_runs import check_lossless, hf_generate
+from eval.decode_runs import block_starts, check_lossless, hf_generate
 from eval.evaluate import evaluate_drafter
 from extract.config import ServerConfig
 
@@ -49,6 +49,12 @@ def test_report_files_and_card(decoded):
         assert 1.0 <= r["acceptance_length"] <= 1 + section["block_size"]
         assert r["verifier_forwards_saved"] == r["generated_tokens"] - r["verifier_forwards"]
     assert {c["benchmark"] for c in section["comparison"]} == {"chat", "code", "all"}
+    # the offline τ on each T=1 run's own outputs, over the blocks the run drafted
+    assert set(section["offline_tau_on_outputs"]) == {"chat", "code"}
+    for c in section["comparison"]:
+        if c["benchmark"] != "all":
+            assert 1.0 <= c["offline_tau_on_outputs"] <= 1 + section["block_size"]
+            assert c["gap_on_outputs"] == pytest.approx(c["decode_acceptance_length"] - c["offline_tau_on_outputs"])
     card = (setup.drafter / "README.md").read_text()
     assert "## Speculative decoding (transformers)" in card
     assert f"{section['offline_tau']['all']['tau_mean_over_prompts']:.3f}" in card
@@ -66,6 +72,11 @@ def test_outputs_recheck_against_transformers(decoded):
         assert len(r["accepted_per_step"]) == r["verifier_forwards"] - 1
     sampled = [r["output_token_ids"] for r in rows if r["temperature"] == 1]
     assert all(len(s) == MAX_NEW for s in sampled)
+
+
+def test_block_starts_follow_the_accepted_drafts():
+    # prompt of 5: anchors at 5 (first generated token), then +1+accepted each step: 2 -> 8, 0 -> 9, 3 -> 13
+    assert block_starts(5, [2, 0, 3, 1]).tolist() == [5, 8, 9, 13]
 
 
 def test_lossless_violation_names_prompt_and_position():
