@@ -52,9 +52,12 @@ endif
 # conf/experiment/demo.yaml). Training keeps freed memory (no page faults on the Markov table's
 # gradient each step, ~9% of a step); without CUDA the online benchmark, which could only time
 # the verifier alone there (vLLM serves DSpark on GPUs), is skipped: its server was most of eval.
+# On CPU the demo's two servers run eager: torch.compile's warm-up (~90 s per server config on a
+# fresh machine) costs more than it saves on the demo's 64 short replies and 20k tokens.
+DEMO_SERVER = $(if $(HAS_CUDA),,'server.extra_args=[--enforce-eager]')
 demo: setup
-	$(BIN)/python -m extract.data
-	$(BIN)/python -m extract
+	$(BIN)/python -m extract.data $(DEMO_SERVER)
+	$(BIN)/python -m extract $(DEMO_SERVER)
 	MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 $(BIN)/torchrun --standalone --nproc_per_node 1 -m train +experiment=demo
 	$(BIN)/python -m eval $(if $(HAS_CUDA),eval.online.num_prompts=4 eval.online.max_tokens=128,eval.online.enabled=false) \
 	    eval.decode.prompts_per_benchmark=2 eval.decode.max_new_tokens=64 eval.decode.adaptive=false
