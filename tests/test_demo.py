@@ -1,8 +1,9 @@
 """`make demo` end to end on the embedded default: data -> extract -> train -> eval -> card.
 
 The same command a user runs on a fresh machine, with the run directory moved to a
-scratch dir; it takes most of 20 minutes on 2 cores, so it is marked `slow` (still run by
-`make test`).
+scratch dir; about 12-15 minutes alone on 2 cores, so it is marked `slow` (still run by
+`make test`). Under `make test` it shares the 2 cores with the other worker's vLLM servers and
+training runs and took 36 minutes (2026-12-02): the timeout leaves room for a slower machine.
 """
 
 import json
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(4800)
 def test_make_demo(tmp_path):
     env = {**os.environ, "DSPARK_RUNS": str(tmp_path)}
     env.pop("OMP_NUM_THREADS", None)  # let the demo use the machine as a user's run would
