@@ -22,8 +22,11 @@ TINY_DRAFT = DraftConfig(
 """A small draft of the defaults' shape (full attention, vanilla Markov head, confidence head, full vocabulary)."""
 
 
-def tiny_qwen3_config(vocab_size: int, hidden_size: int, num_layers: int, max_position_embeddings: int) -> Qwen3Config:
-    """A Qwen3 of 4 query heads over 2 key/value heads (head_dim hidden / 4), MLP 2× hidden, tied lm_head."""
+def tiny_qwen3_config(
+    vocab_size: int, hidden_size: int, num_layers: int, max_position_embeddings: int, **extra
+) -> Qwen3Config:
+    """A Qwen3 of 4 query heads over 2 key/value heads (head_dim hidden / 4), MLP 2× hidden, tied lm_head;
+    `extra`: other Qwen3Config fields."""
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -34,4 +37,5 @@ def tiny_qwen3_config(vocab_size: int, hidden_size: int, num_layers: int, max_po
         head_dim=hidden_size // 4,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
+        **extra,
     )

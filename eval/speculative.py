@@ -295,7 +295,6 @@ class SpeculativeDecoder:
             context.append(aux[r_idx, j_idx], r_idx, n_ctx[r_idx] + j_idx)
             new = torch.cat([drafted[:, :k], next_token[:, None]], 1)
             new[rows, accepted] = next_token
-            r_idx, j_idx = keep.nonzero(as_tuple=True)
             out[r_idx, (produced[r_idx] + j_idx).clamp(max=out.shape[1] - 1)] = new[r_idx, j_idx]
             produced = torch.where(active, produced + accepted + 1, produced)
             n_ctx = torch.where(active, n_ctx + accepted + 1, n_ctx)

@@ -28,21 +28,12 @@ def make_tiny_qwen3(out: Path, *, num_layers: int = 4, hidden: int = 64, seed: i
     must run needs `hidden >= 128` (head_dim = hidden / 4).
     """
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from bench.tiny_models import tiny_qwen3_config
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        torch_dtype="float32",
-    )
+    config = tiny_qwen3_config(151936, hidden, num_layers, max_position_embeddings=4096, torch_dtype="float32")
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(out)
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_files())

@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from drafts import draft_config
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 from train_stores import MASK_TOKEN_ID, make_bigram_verifier
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dspark.attention import BlockLayout
-from dspark.config import DraftConfig, load_section
+from dspark.config import load_section
 from dspark.errors import UserError
 from dspark.export import export_drafter, load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
@@ -36,17 +37,13 @@ def verifier_dir(tmp_path_factory):
 
 
 def draft(verifier_dir, num_layers: int = 2, markov_rank: int = 0, markov_embed_proj: bool = False) -> DSparkDraft:
-    cfg = DraftConfig(
+    cfg = draft_config(
         num_layers=num_layers,
         block_size=BLOCK,
-        draft_vocab_size=None,
         markov_rank=markov_rank,
-        markov_type="vanilla",
         confidence_head=False,
         confidence_head_with_markov=False,
-        sliding_window=None,
         causal_in_block=True,
-        attn_impl="sdpa",
         markov_embed_proj=markov_embed_proj,
     )
     return DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
