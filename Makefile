@@ -89,7 +89,7 @@ serve: setup
 	$(BIN)/python -m eval.serve $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)
 
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The edit loop (under 5 min on 2 cores): no vLLM server, no end-to-end or multi-process runs.
 test-fast: setup
