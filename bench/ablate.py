@@ -6,10 +6,12 @@ A variant (see `bench/ablate.yaml`) is a delta from a named recipe (`conf/recipe
 `{recipe: NAME, overrides: [...], against: VARIANT}`. `against` names the reference its
 decision is measured against (the defaults before it; by default the first `@` it builds on).
 Every variant is trained at each budget (`steps` × each of `budgets`) and each seed, on the same
-stores with the same `common` overrides, then scored on the held-out store by the existing
-offline evaluation (`eval.offline.evaluate_blocks`: full-vocabulary analytic acceptance, the
-same blocks for every run). Its untrained draft (same seed, same init levers) is scored the
-same way. One table, `ablations.json` + `ablations.png` in `out`:
+stores with the same `common` overrides, then scored on the held-out store by the offline
+evaluation (`eval.offline.evaluate_blocks`: full-vocabulary analytic acceptance) under the shared
+held-out protocol (`conf/heldout/`, with the file's `heldout` overrides, which every run's training
+gets too: the trainer's own final τ is the same figure), so every run is scored on the same blocks.
+Its untrained draft (same seed, same init levers) is scored the same way. One table,
+`ablations.json` + `ablations.png` in `out`:
 
 - `tau`: held-out τ; `gain`: τ − the file's `reference` variant's τ, paired block by block;
   `gain_against`: the same against the variant's own `against`;
@@ -64,8 +66,14 @@ def launcher(command: list[str]) -> list[str]:
     return [first, *command[1:]]
 
 
+def heldout_overrides(cfg: dict) -> list[str]:
+    """The file's `heldout` mapping as Hydra overrides of the shared held-out protocol."""
+    return [f"heldout.{key}={'null' if value is None else value}" for key, value in cfg["heldout"].items()]
+
+
 def run_overrides(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume: str = "auto") -> list[str]:
-    """Overrides of one training run (the variant's own last, so a variant may change anything)."""
+    """Overrides of one training run (the variant's own after the run's, so a variant may change anything
+    but the file's held-out protocol, which comes last: every run is scored on the same blocks)."""
     spec = cfg["variants"][variant]
     return [
         *cfg["common"],
@@ -77,6 +85,7 @@ def run_overrides(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path
         "train.log_every=1",
         f"train.resume={resume}",
         *spec["overrides"],
+        *heldout_overrides(cfg),
     ]
 
 
@@ -89,32 +98,16 @@ def compose(overrides: list[str]):
 
 
 # ----- scoring -----
-def score(draft, verifier, cfg: dict, full_cfg) -> Blocks:
-    """The offline evaluation's per-block acceptance of `draft` on the run's held-out store."""
-    from eval.config import OfflineConfig
-    from eval.offline import evaluate_blocks, held_out_refs, open_heldout_store
+def score(draft, verifier, full_cfg) -> Blocks:
+    """The offline evaluation's per-block acceptance of `draft` on the run's held-out store, under the
+    run's `heldout` protocol."""
+    from dspark.config import HeldoutConfig, load_section
+    from eval.offline import evaluate_store, open_heldout_store
 
-    ev = cfg["eval"]
-    offline = OfflineConfig(
-        enabled=True,
-        max_samples=ev["max_samples"],
-        anchors_per_sample=ev["anchors_per_sample"],
-        anchors_per_forward=ev["anchors_per_forward"],
-        seed=0,
-        length_buckets=[1],
-        position_buckets=[1],
-        device="cpu",
-    )
+    heldout = load_section(HeldoutConfig, full_cfg, "heldout")
     store = open_heldout_store(full_cfg.train.eval_store)
-    table = evaluate_blocks(
-        draft,
-        verifier,
-        store,
-        held_out_refs(store, offline.max_samples),
-        offline,
-        draft.fc.weight.device,
-        desc="ablate eval",
-    )
+    device = draft.fc.weight.device
+    table = evaluate_store(draft, verifier, store, heldout, device, heldout.max_samples, desc="ablate eval")
     return Blocks(table.alpha, table.slot_mask, np.stack([table.sample_id, table.anchor_pos], 1))
 
 
@@ -140,13 +133,13 @@ def untrained_blocks(cfg: dict, variant: str, seed: int, run_dir: Path) -> Block
     from train.config import TrainConfig
 
     full_cfg = compose([*run_overrides(cfg, variant, 1, seed, run_dir, "restart"), "train.data_workers=0"])
-    made = provenance(full_cfg, cfg["eval"])
+    made = provenance(full_cfg)
     found = stored(run_dir, made["score_key"])
     if found is not None:
         return found[1]
     trainer = build_trainer(full_cfg, make_accelerator(to_dataclass(TrainConfig, full_cfg["train"])))
     trainer.reporter.close()
-    blocks = score(trainer.raw_model, trainer.verifier, cfg, full_cfg)
+    blocks = score(trainer.raw_model, trainer.verifier, full_cfg)
     write_record(run_dir, {"variant": variant, "seed": seed, **made, "git": git_state()}, blocks)
     return blocks
 
@@ -156,7 +149,7 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     """Train (or reuse, or re-score) one run; its record and held-out blocks."""
     from dspark.export import META_FILE
 
-    made = provenance(compose(run_overrides(cfg, variant, budget, seed, run_dir)), cfg["eval"])
+    made = provenance(compose(run_overrides(cfg, variant, budget, seed, run_dir)))
     found = stored(run_dir, made["score_key"])
     if found is not None:
         return found
@@ -211,7 +204,7 @@ def score_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, ma
     draft = load_drafter(run_dir / "drafter")
     verifier = VerifierHead.from_pretrained(resolve_target_dir(full_cfg.target.name_or_path, full_cfg.target.revision))
     draft.load_verifier(verifier)
-    blocks = score(draft, verifier, cfg, full_cfg)
+    blocks = score(draft, verifier, full_cfg)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     meta = json.loads((run_dir / "drafter" / META_FILE).read_text())
     steps = max(r["step"] for r in rows if r["split"] == "train")  # fewer than asked when the epochs run out

@@ -3,8 +3,9 @@ config, and the keys a stored result is reused by.
 
 A run's *train key* hashes what its drafter depends on: the resolved training config (every
 override, the recipe, steps and seed, as composed by Hydra) and the fingerprints of the data it
-reads (train and held-out stores, token counts, vocabulary mapping). Its *score key* adds the
-held-out evaluation protocol. A stored result is reused only under the same score key; a drafter
+reads (train and held-out stores, token counts, vocabulary mapping); the `heldout` section is left
+out (it decides how a drafter is scored, not what it learns). Its *score key* adds that held-out
+protocol. A stored result is reused only under the same score key; a drafter
 under the same train key is re-scored, not retrained; anything else is retrained from step 0.
 The commit is recorded, not keyed: a result stays reusable across commits of the code, and says
 which commit (and whether the tree was dirty) it was trained and scored at.
@@ -88,26 +89,29 @@ def data_fingerprints(train_cfg) -> dict:
     return out
 
 
-def resolved_config(full_cfg) -> dict:
-    """The composed config as plain values, without the keys that only place the run."""
+def resolved_config(full_cfg) -> tuple[dict, dict]:
+    """The composed config as plain values, without the keys that only place the run and without
+    its `heldout` section; and that section (the held-out protocol the run is scored by)."""
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(full_cfg, resolve=True)
     for key in PLACEMENT_KEYS:
         resolved["train"].pop(key, None)
-    return resolved
+    return resolved, resolved.pop("heldout")
 
 
-def provenance(full_cfg, eval_protocol: dict) -> dict:
-    """{config_sha256, data, train_key, score_key} of one run's composed config."""
-    config_sha = digest(resolved_config(full_cfg))
+def provenance(full_cfg) -> dict:
+    """{config_sha256, heldout, data, train_key, score_key} of one run's composed config."""
+    config, heldout = resolved_config(full_cfg)
+    config_sha = digest(config)
     data = data_fingerprints(full_cfg.train)
     train_key = digest({"config": config_sha, "data": data})
     return {
         "config_sha256": config_sha,
+        "heldout": heldout,
         "data": data,
         "train_key": train_key,
-        "score_key": digest({"train": train_key, "eval": eval_protocol}),
+        "score_key": digest({"train": train_key, "heldout": heldout}),
     }
 
 

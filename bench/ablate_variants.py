@@ -8,11 +8,13 @@ decision is measured against; it defaults to the first variant it builds on with
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
 from bench.ablate_record import REPO, check_name
+from dspark.config import HeldoutConfig
 from dspark.errors import UserError
 
 RECIPES = REPO / "conf" / "recipe"
@@ -26,7 +28,7 @@ FILE_KEYS = {
     "steps",
     "budgets",
     "seeds",
-    "eval",
+    "heldout",
     "reference",
     "variants",
 }
@@ -42,11 +44,20 @@ def load_config(path: Path) -> dict:
     if missing:
         raise UserError(f"{path}: missing keys {missing}")
     check_recipe(path, cfg["recipe"])
+    check_heldout(path, cfg["heldout"])
     specs = {check_name("variant", name): variant_spec(path, name, spec) for name, spec in cfg["variants"].items()}
     if cfg["reference"] not in specs:
         raise UserError(f"{path}: reference {cfg['reference']!r} is not one of the variants {list(specs)}")
     cfg["variants"] = {name: expand_variant(path, specs, name, cfg["recipe"]) for name in specs}
     return cfg
+
+
+def check_heldout(path: Path, heldout: object) -> dict:
+    """The file's `heldout` mapping: keys of the shared held-out protocol (`conf/heldout/`) to override."""
+    known = {f.name for f in fields(HeldoutConfig)}
+    if not isinstance(heldout, dict) or set(heldout) - known:
+        raise UserError(f"{path}: heldout must map keys of {sorted(known)} (conf/heldout/) to values, got {heldout!r}")
+    return heldout
 
 
 def check_recipe(path: Path, recipe: object) -> str:

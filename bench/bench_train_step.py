@@ -258,7 +258,7 @@ def build(shape: Shape, work: Path):
     )
     trainer.prepare_batch = lambda batch, **kw: DSparkTrainer.prepare_batch(trainer, batch, **kw)
     batch = collate(samples, [0] * len(samples))
-    batch = DSparkTrainer.prepare_batch(trainer, batch, epoch=0, train=True)
+    batch = DSparkTrainer.prepare_batch(trainer, batch, epoch=0)
     batch["context"], batch["target_hidden"] = batch["context"].float(), batch["target_hidden"].float()
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
 

@@ -213,6 +213,30 @@ class LossConfig(Checked):
         self.at_least(1, "hidden_slots", nullable=True)
 
 
+@dataclass
+class HeldoutConfig(Checked):
+    """The held-out scoring protocol (`conf/heldout/`), one for the trainer's evaluation, `make eval`
+    and `make ablate`: on the same store, the same samples and anchors, hence the same τ."""
+
+    SECTION: ClassVar[str] = "heldout"
+    RESUME: ClassVar[str] = "changes"
+
+    max_samples: int | None
+    """Score at most this many held-out samples, lowest sample ids first (null = all)."""
+    anchors_per_sample: int | None
+    """Anchors per sample, drawn uniformly without replacement from its anchor candidates (p and p+1
+    in the loss mask) by a generator seeded with (`seed`, sample id); null = every candidate."""
+    anchors_per_forward: int = resume_field("free")
+    """Blocks per draft forward pass: bounds memory (~ blocks × block_size × vocabulary floats), not the figures."""
+    seed: int
+    """Seed of the anchor draw (and of `make eval`'s calibration split into fit and scored samples)."""
+
+    def __post_init__(self) -> None:
+        self.at_least(1, "max_samples", "anchors_per_sample", nullable=True)
+        self.at_least(1, "anchors_per_forward")
+        self.at_least(0, "seed")  # a SeedSequence entropy
+
+
 def resume_kinds(cls: type[Checked]) -> dict[str, str]:
     """What a resume may do with each field of a schema: field name -> one of `RESUME_KINDS`."""
     kinds = {f.name: f.metadata.get("resume", cls.RESUME) for f in dataclasses.fields(cls)}
@@ -299,6 +323,7 @@ __all__ = [
     "RESUME_KINDS",
     "Checked",
     "DraftConfig",
+    "HeldoutConfig",
     "LossConfig",
     "TargetConfig",
     "default_target_name",

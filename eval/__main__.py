@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dspark.config import TargetConfig, load_section
+from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
 from eval.card import benchmark_names
@@ -16,11 +16,12 @@ from eval.evaluate import evaluate_drafter
 from extract.config import ServerConfig
 
 
-def stage_configs(cfg: DictConfig) -> tuple[TargetConfig, EvalConfig, ServerConfig]:
-    """The target, eval and server sections as checked dataclasses."""
+def stage_configs(cfg: DictConfig) -> tuple[TargetConfig, EvalConfig, HeldoutConfig, ServerConfig]:
+    """The target, eval, heldout and server sections as checked dataclasses."""
     return (
         load_section(TargetConfig, cfg, "target"),
         load_section(EvalConfig, cfg, "eval"),
+        load_section(HeldoutConfig, cfg, "heldout"),
         load_section(ServerConfig, cfg, "server"),
     )
 

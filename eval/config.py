@@ -13,20 +13,13 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class OfflineConfig(Checked):
-    """Acceptance on the held-out store, computed from stored verifier states (no server)."""
+    """Acceptance on the held-out store, computed from stored verifier states (no server); which
+    samples and anchors are scored is the shared `heldout` protocol (`dspark.config.HeldoutConfig`)."""
 
     SECTION: ClassVar[str] = "eval.offline"
 
     enabled: bool
     """Run the offline evaluation."""
-    max_samples: int | None
-    """Evaluate at most this many held-out samples, lowest sample ids first (null = all)."""
-    anchors_per_sample: int | None
-    """Anchors drawn per sample (null = every position whose token and next token are trained)."""
-    anchors_per_forward: int
-    """Blocks per draft forward pass (bounds memory: ~ blocks × block_size × vocabulary floats)."""
-    seed: int
-    """Seed of the anchor draw when `anchors_per_sample` is set."""
     length_buckets: list[int]
     """Edges of the sequence-length buckets (tokens per sample)."""
     position_buckets: list[int]
@@ -35,8 +28,6 @@ class OfflineConfig(Checked):
     """`auto` (cuda when present), `cpu` or `cuda`."""
 
     def __post_init__(self) -> None:
-        self.at_least(1, "max_samples", "anchors_per_sample", nullable=True)
-        self.at_least(1, "anchors_per_forward")
         self.one_of("device", DEVICES)
         for field in ("length_buckets", "position_buckets"):
             edges = getattr(self, field)
@@ -199,7 +190,7 @@ class PruneConfig(Checked):
     min_count: int
     """With `draft_vocab_size: null`, the fewest occurrences for a token to be kept."""
     evaluate: bool
-    """Measure τ of the original and the pruned drafter on the held-out store (eval.offline settings)."""
+    """Measure τ of the original and the pruned drafter on the held-out store (the `heldout` protocol)."""
 
     def __post_init__(self) -> None:
         self.at_least(1, "draft_vocab_size", nullable=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from dspark.config import TargetConfig, load_section
+from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
 from dspark.metrics import expected_length
@@ -188,7 +188,7 @@ def plot_decode(section: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-def run_decode(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -> dict:
+def run_decode(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig, heldout: HeldoutConfig) -> dict:
     """Decode every prompt set, write decode.json, decode_outputs.jsonl and decode.png; returns the section."""
     device = pick_device(cfg.decode.device)
     engine, model, tokenizer, max_len = load_engine(drafter_dir, target, device)
@@ -206,14 +206,14 @@ def run_decode(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig) -> dict
     summaries = [run_summary(k[0], groups[k], B) for k in keys]
     taus, on_outputs = {}, {}
     if cfg.decode.offline_tau:
-        tables = offline_tau(engine, model, sets, cfg)
+        tables = offline_tau(engine, model, sets, cfg, heldout)
         taus = {name: tau_summary(t) for name, t in tables.items() if t is not None}
         valid = [t for t in tables.values() if t is not None]
         if valid:
             taus[ALL] = tau_summary(pooled_table(valid))
         for run in runs:
             if run.temperature == 1.0 and not run.adaptive:
-                table = score_answers(engine, model, run.prompts, [o.output_ids for o in run.outputs], cfg)
+                table = score_answers(engine, model, run.prompts, [o.output_ids for o in run.outputs], cfg, heldout)
                 if table is not None:
                     on_outputs[run.benchmark] = tau_at_block_starts(table, run)
     section = {
@@ -261,10 +261,11 @@ def headline(section: dict) -> str:
 def main(cfg: DictConfig) -> None:
     target = load_section(TargetConfig, cfg, "target")
     eval_cfg = load_section(EvalConfig, cfg, "eval")
+    heldout = load_section(HeldoutConfig, cfg, "heldout")
     drafter = Path(cfg.drafter)
     if not (drafter / "config.json").is_file():
         raise UserError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
-    section = run_decode(drafter, target, eval_cfg)
+    section = run_decode(drafter, target, eval_cfg, heldout)
     report_path = Path(eval_cfg.out_dir) / REPORT_FILE
     if report_path.is_file():
         report = read_report(report_path)

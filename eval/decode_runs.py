@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from dspark.config import TargetConfig
+from dspark.config import HeldoutConfig, TargetConfig
 from dspark.errors import UserError
 from dspark.export import load_drafter
 from dspark.servable import check_servable
@@ -188,22 +188,26 @@ def decode_runs(engine: SpeculativeDecoder, model, sets: dict[str, list[list[int
     return runs, costs
 
 
-def offline_tau(engine: SpeculativeDecoder, model, sets: dict[str, list[list[int]]], cfg: EvalConfig) -> dict:
-    """Per prompt set: the drafter's offline τ (eval.offline's scoring) on verifier answers to its prompts
-    sampled with transformers at temperature 1, as BlockTables keyed by benchmark."""
+def offline_tau(
+    engine: SpeculativeDecoder, model, sets: dict[str, list[list[int]]], cfg: EvalConfig, heldout: HeldoutConfig
+) -> dict:
+    """Per prompt set: the drafter's offline τ (eval.offline's scoring, the `heldout` protocol's anchors) on
+    verifier answers to its prompts sampled with transformers at temperature 1, as BlockTables keyed by benchmark."""
     tables = {}
     for benchmark, prompts in sets.items():
         answers = (
             hf_generate(model, prompt, cfg.decode.max_new_tokens, 1.0, cfg.decode.seed + i)
             for i, prompt in enumerate(tqdm(prompts, desc=f"offline τ {benchmark}", unit="prompt", dynamic_ncols=True))
         )
-        tables[benchmark] = score_answers(engine, model, prompts, answers, cfg)
+        tables[benchmark] = score_answers(engine, model, prompts, answers, cfg, heldout)
     return tables
 
 
-def score_answers(engine: SpeculativeDecoder, model, prompts: list[list[int]], answers, cfg: EvalConfig):
+def score_answers(
+    engine: SpeculativeDecoder, model, prompts: list[list[int]], answers, cfg: EvalConfig, heldout: HeldoutConfig
+):
     """BlockTable of the drafter's offline τ on each prompt's answer (the verifier's states of prompt +
-    answer, every anchor in the answer), or None when no answer has a block."""
+    answer, anchors in the answer drawn as `heldout` says), or None when no answer has a block."""
     head = VerifierHead(model.config, model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight)
 
     def samples():
@@ -212,7 +216,7 @@ def score_answers(engine: SpeculativeDecoder, model, prompts: list[list[int]], a
             context, final = engine.verifier.states(ids)
             yield i, context, final, ids.cpu(), torch.arange(len(ids)) >= len(prompt)
 
-    return score_samples(engine.draft, head, samples(), cfg.offline, pick_device(cfg.decode.device))
+    return score_samples(engine.draft, head, samples(), heldout, pick_device(cfg.decode.device))
 
 
 def block_starts(prompt_len: int, accepted_per_step: list[int]) -> np.ndarray:

@@ -4,13 +4,13 @@ report, card."""
 from __future__ import annotations
 
 import gc
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dspark.config import TargetConfig
+from dspark.config import HeldoutConfig, TargetConfig
 from dspark.export import load_drafter
 from dspark.model import DSparkDraft
 from dspark.store import ShardStore
@@ -25,6 +25,7 @@ from eval.offline import (
     check_compatible,
     evaluate_store,
     open_heldout_store,
+    pick_device,
     read_sources,
     summarize,
 )
@@ -60,9 +61,15 @@ def verifier_dir_for(store: ShardStore, target: TargetConfig, where: str) -> Pat
 
 
 def benchmark_section(
-    drafter_dir: Path, draft: DSparkDraft, verifier: VerifierHead, target: TargetConfig, cfg: EvalConfig
+    drafter_dir: Path,
+    draft: DSparkDraft,
+    verifier: VerifierHead,
+    target: TargetConfig,
+    cfg: EvalConfig,
+    heldout: HeldoutConfig,
 ) -> dict | None:
-    """τ per standard eval set on the store of `data=benchmarks` (every sample of it); None without that store."""
+    """τ per standard eval set on the store of `data=benchmarks` (every sample of it, the `heldout`
+    protocol's anchors); None without that store."""
     if cfg.bench_store is None:
         return None
     try:
@@ -72,7 +79,7 @@ def benchmark_section(
     check_compatible(
         drafter_dir, draft, store, target.name_or_path, verifier_dir_for(store, target, f"eval.bench_store={store.url}")
     )
-    table = evaluate_store(draft, verifier, store, cfg.offline, None)
+    table = evaluate_store(draft, verifier, store, heldout, pick_device(cfg.offline.device), None)
     summary = summarize(table, cfg.offline, read_sources(cfg.bench_data_dir))
     return {
         "store": store.url,
@@ -114,13 +121,16 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
 
 
 def offline_sections(
-    drafter_dir: Path, target: TargetConfig, cfg: EvalConfig
+    drafter_dir: Path, target: TargetConfig, cfg: EvalConfig, heldout: HeldoutConfig
 ) -> tuple[dict, dict | None, dict | None, ShardStore]:
-    """The offline, calibration and benchmarks report sections (and the store, for the data section)."""
+    """The offline, calibration and benchmarks report sections (and the store, for the data section).
+
+    The offline τ is the trainer's held-out τ: the same scorer under the same `heldout` protocol.
+    """
     draft, verifier, store, _ = load_checked(drafter_dir, target, cfg.store)
-    table = evaluate_store(draft, verifier, store, cfg.offline, cfg.offline.max_samples)
-    offline = summarize(table, cfg.offline, read_sources(cfg.data_dir))
-    calibration = calibration_section(table, cfg.calibration, cfg.offline.seed) if cfg.calibration.enabled else None
+    table = evaluate_store(draft, verifier, store, heldout, pick_device(cfg.offline.device), heldout.max_samples)
+    offline = {**summarize(table, cfg.offline, read_sources(cfg.data_dir)), "heldout": asdict(heldout)}
+    calibration = calibration_section(table, cfg.calibration, heldout.seed) if cfg.calibration.enabled else None
     if calibration is not None and cfg.calibration.save:
         cal.save_calibration(
             drafter_dir / CALIBRATION_FILE,
@@ -133,7 +143,7 @@ def offline_sections(
                 "ece_after": calibration["after"]["pooled"]["ece"],
             },
         )
-    benchmarks = benchmark_section(drafter_dir, draft, verifier, target, cfg)
+    benchmarks = benchmark_section(drafter_dir, draft, verifier, target, cfg, heldout)
     del draft, verifier
     gc.collect()
     if torch.cuda.is_available():
@@ -147,7 +157,9 @@ def publish(report: dict, out_dir: Path) -> dict:
     return read_report(write_report(report, out_dir))
 
 
-def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalConfig, server: ServerConfig) -> dict:
+def evaluate_drafter(
+    drafter_dir: str | Path, target: TargetConfig, cfg: EvalConfig, heldout: HeldoutConfig, server: ServerConfig
+) -> dict:
     """Run every enabled part; write report.json, plots and (optionally) the model card. Returns the report.
 
     The report is written once the offline part is done too, so a failing online benchmark
@@ -164,12 +176,12 @@ def evaluate_drafter(drafter_dir: str | Path, target: TargetConfig, cfg: EvalCon
     store = None
     if cfg.offline.enabled:
         report["offline"], report["calibration"], report["benchmarks"], store = offline_sections(
-            drafter_dir, target, cfg
+            drafter_dir, target, cfg, heldout
         )
     report["data"] = data_info(cfg.data_dir, store)
     report = publish(report, out_dir)
     if cfg.decode.enabled:
-        report["decode"] = run_decode(drafter_dir, target, cfg)
+        report["decode"] = run_decode(drafter_dir, target, cfg, heldout)
         report = publish(report, out_dir)
     if cfg.online.enabled:
         verifier = resolve_target(target, dataset_target(cfg.data_dir))

@@ -10,6 +10,11 @@ is the token the verifier would have accepted.
 
 Results are kept per block (`BlockTable`), so any grouping (sequence-length bucket, anchor
 position bucket, data source) and the confidence calibration read the same numbers.
+
+Which samples and anchors are scored is the `heldout` protocol (`dspark.config.HeldoutConfig`),
+and `heldout_samples` + `score_samples` are the one scorer of held-out τ: `make eval`, `make
+ablate` and the trainer's periodic evaluation (each rank scoring its share of whole samples, the
+sums added over ranks) all call them, so on one store they report the same figure.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from dspark.anchors import anchor_candidates, sample_anchors, slot_targets
+from dspark.config import HeldoutConfig
 from dspark.errors import MissingInput, UserError
 from dspark.metrics import AcceptanceStats, acceptance
 from dspark.model import DSparkDraft
@@ -140,23 +146,41 @@ def evaluate_store(
     draft: DSparkDraft,
     verifier: VerifierHead,
     store: ShardStore,
-    cfg: OfflineConfig,
+    heldout: HeldoutConfig,
+    device: torch.device,
     max_samples: int | None,
     desc: str = "offline eval",
 ) -> BlockTable:
-    """Score every block of the store's first `max_samples` held-out samples on `cfg.device`."""
-    return evaluate_blocks(
-        draft, verifier, store, held_out_refs(store, max_samples), cfg, pick_device(cfg.device), desc
-    )
+    """Score every block of the store's first `max_samples` held-out samples on `device`."""
+    return evaluate_blocks(draft, verifier, store, held_out_refs(store, max_samples), heldout, device, desc)
 
 
-def _anchors(loss_mask: torch.Tensor, sample_id: int, cfg: OfflineConfig) -> torch.Tensor:
+def _anchors(loss_mask: torch.Tensor, sample_id: int, heldout: HeldoutConfig) -> torch.Tensor:
     """Anchor positions [A] of one sample: every candidate, or a seeded draw per sample."""
-    if cfg.anchors_per_sample is None:
+    if heldout.anchors_per_sample is None:
         return anchor_candidates(loss_mask[None])[0].nonzero().flatten()
-    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([cfg.seed, sample_id]).generate_state(1)[0]))
-    anchors, valid = sample_anchors(loss_mask[None], cfg.anchors_per_sample, gen)
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([heldout.seed, sample_id]).generate_state(1)[0]))
+    anchors, valid = sample_anchors(loss_mask[None], heldout.anchors_per_sample, gen)
     return anchors[0][valid[0]]
+
+
+def heldout_samples(
+    store: ShardStore,
+    refs: list[SampleRef],
+    aux_layer_ids: list[int],
+    desc: str = "offline eval",
+    progress: bool = True,
+):
+    """The samples of `refs` as `score_samples` takes them, read one at a time (whole samples: a
+    block's context is everything before it)."""
+    layer_ids = list(store.target["layer_ids"])
+    aux_index = [layer_ids.index(i) for i in aux_layer_ids]
+    for ref in tqdm(refs, desc=desc, unit="sample", dynamic_ncols=True, disable=not progress):
+        sample = store.read(ref)
+        hidden = bits_to_tensor(sample.hidden).to(dtype=torch.float32)  # [T, L, H]
+        ids = torch.from_numpy(sample.token_ids.astype(np.int64))
+        mask = torch.from_numpy(sample.loss_mask.astype(bool))
+        yield ref.sample_id, hidden[:, aux_index].flatten(1), hidden[:, -1], ids, mask
 
 
 def evaluate_blocks(
@@ -164,31 +188,22 @@ def evaluate_blocks(
     verifier: VerifierHead,
     store: ShardStore,
     refs: list[SampleRef],
-    cfg: OfflineConfig,
+    heldout: HeldoutConfig,
     device: torch.device,
     desc: str = "offline eval",
 ) -> BlockTable:
     """Score every block of the given held-out samples."""
-    layer_ids = list(store.target["layer_ids"])
-    aux_index = [layer_ids.index(i) for i in draft.aux_layer_ids]
-
-    def samples():
-        for ref in tqdm(refs, desc=desc, unit="sample", dynamic_ncols=True):
-            sample = store.read(ref)
-            hidden = bits_to_tensor(sample.hidden).to(dtype=torch.float32)  # [T, L, H]
-            ids = torch.from_numpy(sample.token_ids.astype(np.int64))
-            mask = torch.from_numpy(sample.loss_mask.astype(bool))
-            yield ref.sample_id, hidden[:, aux_index].flatten(1), hidden[:, -1], ids, mask
-
-    table = score_samples(draft, verifier, samples(), cfg, device)
+    samples = heldout_samples(store, refs, draft.aux_layer_ids, desc)
+    table = score_samples(draft, verifier, samples, heldout, device)
     if table is None:
         raise UserError(f"{store.url}: no held-out sample has a trained position to anchor a block at")
     return table
 
 
 @torch.no_grad()
-def score_samples(draft: DSparkDraft, verifier: VerifierHead, samples, cfg: OfflineConfig, device: torch.device):
-    """Score every block of in-memory samples; None when no sample has a block to score.
+def score_samples(draft: DSparkDraft, verifier: VerifierHead, samples, heldout: HeldoutConfig, device: torch.device):
+    """Score every block of in-memory samples at the `heldout` protocol's anchors; None when no sample
+    has a block to score.
 
     samples: iterable of (sample_id, context [T, m·H] aux states in the draft's layer order,
     final [T, H] pre-norm final-layer states, token_ids [T], loss_mask [T] bool).
@@ -203,9 +218,9 @@ def score_samples(draft: DSparkDraft, verifier: VerifierHead, samples, cfg: Offl
         context = context.to(device, torch.float32)[None]
         final = final.to(device, torch.float32)
         ids, mask = ids[None].to(device), mask[None].to(device)
-        all_anchors = _anchors(mask[0].cpu(), sample_id, cfg).to(device)
-        for start in range(0, all_anchors.numel(), cfg.anchors_per_forward):
-            anchors = all_anchors[start : start + cfg.anchors_per_forward][None]
+        all_anchors = _anchors(mask[0].cpu(), sample_id, heldout).to(device)
+        for start in range(0, all_anchors.numel(), heldout.anchors_per_forward):
+            anchors = all_anchors[start : start + heldout.anchors_per_forward][None]
             valid = torch.ones_like(anchors, dtype=torch.bool)
             _, target_pos, slot_mask = slot_targets(ids, mask, anchors, valid, draft.block_size)
             h = draft(context, ids, anchors, valid)[0]  # [A, B, H]
@@ -309,6 +324,7 @@ __all__ = [
     "evaluate_store",
     "grouped_summary",
     "held_out_refs",
+    "heldout_samples",
     "open_heldout_store",
     "pick_device",
     "read_sources",

@@ -34,7 +34,7 @@ from dspark.vocab import build_mapping, count_tokens
 from eval.__main__ import stage_configs
 from eval.config import PruneConfig
 from eval.evaluate import load_checked
-from eval.offline import acceptance_summary, evaluate_store
+from eval.offline import acceptance_summary, evaluate_store, pick_device
 from eval.report import write_report
 
 LM_HEAD = "lm_head.weight"
@@ -161,7 +161,7 @@ def draft_token_ids(tensors: dict[str, torch.Tensor], draft_vocab_size: int, voc
 
 def run(cfg: DictConfig) -> dict:
     """Prune `cfg.drafter` as configured; returns (and writes) the comparison report."""
-    target, eval_cfg, _ = stage_configs(cfg)
+    target, eval_cfg, heldout, _ = stage_configs(cfg)
     prune = load_section(PruneConfig, cfg, "prune")
     src, dst = Path(cfg.drafter), Path(prune.out)
     if not (src / CONFIG_FILE).is_file():
@@ -188,9 +188,8 @@ def run(cfg: DictConfig) -> dict:
     if prune.evaluate:
         for key, path in (("original", src), ("pruned", dst)):
             draft, verifier, store, _ = load_checked(path, target, eval_cfg.store)
-            table = evaluate_store(
-                draft, verifier, store, eval_cfg.offline, eval_cfg.offline.max_samples, desc=f"τ of {key}"
-            )
+            device = pick_device(eval_cfg.offline.device)
+            table = evaluate_store(draft, verifier, store, heldout, device, heldout.max_samples, desc=f"τ of {key}")
             report[key]["offline"] = acceptance_summary(table.alpha, table.slot_mask)
     write_report(report, dst, PRUNE_REPORT)
     return report

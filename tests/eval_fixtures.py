@@ -19,7 +19,7 @@ from drafts import draft_config
 from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.config import TargetConfig
+from dspark.config import HeldoutConfig, TargetConfig
 from dspark.export import export_drafter
 from dspark.model import DSparkDraft
 from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
@@ -227,6 +227,6 @@ def compose_cfg(setup: EvalSetup, *overrides: str, config_name: str = "eval"):
         )
 
 
-def configs(cfg) -> tuple[TargetConfig, EvalConfig]:
-    target, eval_cfg, _ = stage_configs(cfg)
-    return target, eval_cfg
+def configs(cfg) -> tuple[TargetConfig, EvalConfig, HeldoutConfig]:
+    target, eval_cfg, heldout, _ = stage_configs(cfg)
+    return target, eval_cfg, heldout

@@ -95,14 +95,14 @@ def test_eval_reports_tau_per_benchmark(tmp_path):
     sources = write_bench_data(bench_data, samples)
 
     cfg = compose_cfg(setup)
-    target, eval_cfg = configs(cfg)
+    target, eval_cfg, heldout = configs(cfg)
     assert Path(eval_cfg.bench_store) == bench_store and Path(eval_cfg.bench_data_dir) == bench_data
     report = run(cfg)
 
     # independent: the blocks of the benchmark store, grouped by hand, τ by a plain loop
     draft, verifier, store, _ = load_checked(setup.drafter, target, str(bench_store))
     table = evaluate_blocks(
-        draft, verifier, store, held_out_refs(store, None), eval_cfg.offline, pick_device(eval_cfg.offline.device)
+        draft, verifier, store, held_out_refs(store, None), heldout, pick_device(eval_cfg.offline.device)
     )
     bench = report["benchmarks"]
     assert list(bench["by_benchmark"]) == list(BENCHMARKS) and bench["samples"] == 9

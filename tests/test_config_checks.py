@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dspark.config import DraftConfig, LossConfig, TargetConfig, load_section
+from dspark.config import DraftConfig, HeldoutConfig, LossConfig, TargetConfig, load_section
 from dspark.errors import UserError
 from eval.config import EvalConfig, PruneConfig
 from eval.serve import ServeConfig
@@ -30,10 +30,16 @@ STAGE_SECTIONS = {
         "server": ServerConfig,
     },
     "extract": {"target": TargetConfig, "extract": ExtractConfig, "server": ServerConfig},
-    "train": {"target": TargetConfig, "train": TrainConfig, "model": DraftConfig, "loss": LossConfig},
-    "eval": {"target": TargetConfig, "eval": EvalConfig, "server": ServerConfig},
+    "train": {
+        "target": TargetConfig,
+        "train": TrainConfig,
+        "model": DraftConfig,
+        "loss": LossConfig,
+        "heldout": HeldoutConfig,
+    },
+    "eval": {"target": TargetConfig, "eval": EvalConfig, "heldout": HeldoutConfig, "server": ServerConfig},
     "serve": {"target": TargetConfig, "serve": ServeConfig, "server": ServerConfig},
-    "prune": {"target": TargetConfig, "eval": EvalConfig, "prune": PruneConfig},
+    "prune": {"target": TargetConfig, "eval": EvalConfig, "heldout": HeldoutConfig, "prune": PruneConfig},
 }
 
 
@@ -77,7 +83,13 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("extract", "extract.connector=gpu", "extract", "extract.connector must be one of ['auto', 'cpu', 'stock']"),
         ("extract", "extract.splits=[]", "extract", "extract.splits is empty"),
         ("extract", "server.ready_timeout_s=0", "server", "server.ready_timeout_s must be > 0"),
-        ("eval", "eval.offline.anchors_per_forward=0", "eval", "eval.offline.anchors_per_forward must be >= 1"),
+        # the held-out protocol, one group (conf/heldout/) for train, eval and prune alike
+        ("eval", "heldout.anchors_per_forward=0", "heldout", "heldout.anchors_per_forward must be >= 1, got 0"),
+        ("train", "heldout.anchors_per_sample=0", "heldout", "heldout.anchors_per_sample must be null or >= 1, got 0"),
+        ("eval", "heldout.anchors_per_sample=-5", "heldout", "heldout.anchors_per_sample must be null or >= 1, got -5"),
+        ("train", "heldout.max_samples=0", "heldout", "heldout.max_samples must be null or >= 1, got 0"),
+        ("prune", "heldout.seed=-1", "heldout", "heldout.seed must be >= 0, got -1"),
+        ("train", "heldout.anchors_per_forward=-64", "heldout", "heldout.anchors_per_forward must be >= 1, got -64"),
         ("eval", "eval.calibration.fit_fraction=1", "eval", "eval.calibration.fit_fraction must be in (0, 1)"),
         ("eval", "eval.online.dtype=fp64", "eval", "eval.online.dtype must be one of"),
         ("serve", "serve.num_speculative_tokens=0", "serve", "serve.num_speculative_tokens must be null or >= 1"),
@@ -106,6 +118,9 @@ def test_a_bad_value_is_refused_at_load_time_naming_the_field(stage, override, s
         ("train", "loss.weights={tv: nan}", "loss", "loss.weights.tv must be a finite number, got nan"),
         ("train", "model.block_size=nan", "model", "model.block_size: Value 'nan' of type 'float' could not be"),
         ("eval", "eval.calibration.t_min=nan", "eval", "eval.calibration.t_min must be a finite number, got nan"),
+        ("train", "heldout.anchors_per_sample=nan", "heldout", "heldout.anchors_per_sample: Value 'nan' of type"),
+        ("eval", "heldout.max_samples=inf", "heldout", "heldout.max_samples: Value 'inf' of type"),
+        ("eval", "heldout.seed=-inf", "heldout", "heldout.seed: Value '-inf' of type"),
         ("extract", "extract.request_timeout_s=inf", "extract", "extract.request_timeout_s must be a finite number"),
         ("data", "data.eval_fraction=nan", "data", "data.eval_fraction must be a finite number, got nan"),
         ("data", "regen.temperature=inf", "regen", "regen.temperature must be a finite number, got inf"),

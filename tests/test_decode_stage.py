@@ -31,8 +31,8 @@ def decoded(tmp_path_factory):
         f"eval.decode.max_new_tokens={MAX_NEW}",
         "eval.decode.profile_replays=1",
     )
-    target, eval_cfg = configs(cfg)
-    report = evaluate_drafter(setup.drafter, target, eval_cfg, load_section(ServerConfig, cfg, "server"))
+    target, eval_cfg, heldout = configs(cfg)
+    report = evaluate_drafter(setup.drafter, target, eval_cfg, heldout, load_section(ServerConfig, cfg, "server"))
     return setup, report
 
 

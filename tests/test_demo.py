@@ -39,6 +39,9 @@ def test_make_demo(tmp_path):
     assert evals and evals[0]["step"] == 0
     report = json.loads((root / "eval" / "report.json").read_text())
     assert report["offline"]["overall"]["tau"] > evals[0]["tau"] + 0.02
+    # one held-out protocol (conf/heldout/): the report's τ is the trainer's final one for this drafter
+    assert report["offline"]["overall"]["tau"] == pytest.approx(evals[-1]["tau"], abs=1e-5)
+    assert report["offline"]["overall"]["blocks"] == evals[-1]["blocks"]
 
     # The decode step ran on the exported drafter: greedy outputs were checked lossless (else the
     # eval fails), and the trained drafter is accepted: more than one token per verifier forward.

@@ -74,11 +74,11 @@ def naive_block_alpha(draft, verifier, sample, anchor: int, layer_ids: list[int]
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced-vocab"])
 def test_alpha_matches_naive(setup, reduced_drafter, reduced):
-    target, cfg = offline_cfg(setup, "eval.offline.anchors_per_forward=5", "eval.offline.anchors_per_sample=null")
+    target, cfg, heldout = offline_cfg(setup, "heldout.anchors_per_forward=5", "heldout.anchors_per_sample=null")
     drafter = reduced_drafter if reduced else setup.drafter
     draft, verifier, store, _ = load_checked(drafter, target, cfg.store)
     refs = held_out_refs(store, max_samples=2)
-    table = evaluate_blocks(draft, verifier, store, refs, cfg.offline, torch.device("cpu"))
+    table = evaluate_blocks(draft, verifier, store, refs, heldout, torch.device("cpu"))
     layer_ids = store.target["layer_ids"]
     checked = 0
     for ref in refs:
@@ -102,10 +102,10 @@ def test_alpha_matches_naive(setup, reduced_drafter, reduced):
 
 def test_reduced_vocab_not_renormalized(setup, reduced_drafter):
     """The reduced draft's α never exceeds the target mass inside its vocabulary."""
-    target, cfg = offline_cfg(setup)
+    target, cfg, heldout = offline_cfg(setup)
     draft, verifier, store, _ = load_checked(reduced_drafter, target, cfg.store)
     ref = held_out_refs(store, 1)[0]
-    table = evaluate_blocks(draft, verifier, store, [ref], cfg.offline, torch.device("cpu"))
+    table = evaluate_blocks(draft, verifier, store, [ref], heldout, torch.device("cpu"))
     sample = store.read(ref)
     with torch.no_grad():
         p = torch.softmax(verifier.logits(bits_to_tensor(sample.hidden).float()[:, -1]).double(), -1)
@@ -143,9 +143,11 @@ def test_bucket_labels():
 
 
 def test_groupings_partition_the_blocks(setup):
-    target, cfg = offline_cfg(setup, "eval.offline.length_buckets=[40,60]", "eval.offline.position_buckets=[16]")
+    target, cfg, heldout = offline_cfg(
+        setup, "eval.offline.length_buckets=[40,60]", "eval.offline.position_buckets=[16]"
+    )
     draft, verifier, store, _ = load_checked(setup.drafter, target, cfg.store)
-    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, None), cfg.offline, torch.device("cpu"))
+    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, None), heldout, torch.device("cpu"))
     sources = {i: SOURCES[i % 2] for i in range(8)}
     section = summarize(table, cfg.offline, sources)
     overall = section["overall"]
@@ -160,11 +162,11 @@ def test_groupings_partition_the_blocks(setup):
 
 
 def test_sampled_anchors_are_reproducible(setup):
-    target, cfg = offline_cfg(setup, "eval.offline.anchors_per_sample=5", "eval.offline.seed=3")
+    target, cfg, heldout = offline_cfg(setup, "heldout.anchors_per_sample=5", "heldout.seed=3")
     draft, verifier, store, _ = load_checked(setup.drafter, target, cfg.store)
     refs = held_out_refs(store, 3)
-    a = evaluate_blocks(draft, verifier, store, refs, cfg.offline, torch.device("cpu"))
-    b = evaluate_blocks(draft, verifier, store, refs, cfg.offline, torch.device("cpu"))
+    a = evaluate_blocks(draft, verifier, store, refs, heldout, torch.device("cpu"))
+    b = evaluate_blocks(draft, verifier, store, refs, heldout, torch.device("cpu"))
     assert a.num_blocks == 15
     np.testing.assert_array_equal(a.anchor_pos, b.anchor_pos)
     np.testing.assert_array_equal(a.alpha, b.alpha)
@@ -172,9 +174,9 @@ def test_sampled_anchors_are_reproducible(setup):
 
 def test_drafter_without_confidence_head(setup, tmp_path):
     drafter = export_tiny_drafter(setup.verifier_dir, tmp_path / "drafter", confidence_head=False)
-    target, cfg = offline_cfg(setup)
+    target, cfg, heldout = offline_cfg(setup)
     draft, verifier, store, _ = load_checked(drafter, target, cfg.store)
-    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, 2), cfg.offline, torch.device("cpu"))
+    table = evaluate_blocks(draft, verifier, store, held_out_refs(store, 2), heldout, torch.device("cpu"))
     assert table.conf_logits is None and calibration_section(table, cfg.calibration, seed=0) is None
 
 
@@ -214,13 +216,13 @@ def test_stage_end_to_end(setup):
 
 def test_drafter_for_another_verifier(setup, tmp_path):
     other = export_tiny_drafter(setup.verifier_dir, tmp_path / "drafter", verifier_name="Qwen/Qwen3-8B")
-    target, cfg = offline_cfg(setup)
+    target, cfg, _ = offline_cfg(setup)
     with pytest.raises(ValueError, match="trained for verifier 'Qwen/Qwen3-8B'"):
         load_checked(other, target, cfg.store)
 
 
 def test_store_of_another_target(setup, tmp_path):
-    target, cfg = offline_cfg(setup, "target.name_or_path=Qwen/Qwen3-0.6B")
+    target, cfg, _ = offline_cfg(setup, "target.name_or_path=Qwen/Qwen3-0.6B")
     with pytest.raises(ValueError, match="holds states of"):
         load_checked(setup.drafter, target, cfg.store)
 

@@ -227,7 +227,7 @@ def test_markov_embed_proj_is_folded_into_w1_at_export(verifier_dir, tmp_path):
 
 def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
     """loss.train_on_prompt: training anchors and scored slots may lie on a sample's prompt
-    (loss_mask 0) but never on padding; held-out anchors stay on the replies either way."""
+    (loss_mask 0) but never on padding (held-out anchors are eval.offline's, on the replies)."""
     from dspark.store import Sample
     from train.data import collate
     from train.dspark_trainer import DSparkTrainer
@@ -243,20 +243,19 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
     for train_on_prompt in (False, True):
         trainer = DSparkTrainer.__new__(DSparkTrainer)  # prepare_batch reads only these fields
         trainer.block_size = BLOCK
-        trainer.cfg = SimpleNamespace(seed=0, eval_num_anchors=64)
+        trainer.cfg = SimpleNamespace(seed=0)
         trainer.loss_cfg = SimpleNamespace(
             num_anchors=64, anchor_sampling="uniform",
             gamma=4.0, train_on_prompt=train_on_prompt,
         )  # fmt: skip
-        for train in (True, False):
-            out = trainer.prepare_batch(batch, epoch=0, train=train)
-            on = out["anchor_valid"]
-            anchors = out["anchors"][on]
-            # every candidate is drawn (64 > candidates): p and p+1 both allowed tokens
-            allowed = real if train and train_on_prompt else batch["loss_mask"]
-            expected = int((allowed[:, :-1] & allowed[:, 1:]).sum())
-            assert on.sum() == expected
-            assert (anchors < 12).any() == (train and train_on_prompt)
-            label_pos = (out["target_pos"] + 1)[out["slot_mask"]]
-            rows = torch.arange(2)[:, None, None].expand_as(out["slot_mask"])[out["slot_mask"]]
-            assert allowed[rows, label_pos].all()  # no scored slot on padding (or on a prompt, unless asked)
+        out = trainer.prepare_batch(batch, epoch=0)
+        on = out["anchor_valid"]
+        anchors = out["anchors"][on]
+        # every candidate is drawn (64 > candidates): p and p+1 both allowed tokens
+        allowed = real if train_on_prompt else batch["loss_mask"]
+        expected = int((allowed[:, :-1] & allowed[:, 1:]).sum())
+        assert on.sum() == expected
+        assert (anchors < 12).any() == train_on_prompt
+        label_pos = (out["target_pos"] + 1)[out["slot_mask"]]
+        rows = torch.arange(2)[:, None, None].expand_as(out["slot_mask"])[out["slot_mask"]]
+        assert allowed[rows, label_pos].all()  # no scored slot on padding (or on a prompt, unless asked)

@@ -141,7 +141,7 @@ def variant_file(tmp_path, variants: dict, recipe: str = "published") -> dict:
         "steps": 1,
         "budgets": [1],
         "seeds": [0],
-        "eval": {},
+        "heldout": {},
         "reference": next(iter(variants)),
         "variants": variants,
     }
@@ -180,6 +180,22 @@ def test_a_variant_is_a_delta_from_a_recipe_and_can_build_on_another(tmp_path):
         variant_file(tmp_path, variants)
         with pytest.raises(UserError, match=message):
             load_config(path)
+
+
+def test_the_file_overrides_the_shared_held_out_protocol_for_every_run(tmp_path):
+    """`heldout:` holds keys of conf/heldout/ only; they reach every run, last (no variant changes them)."""
+    cfg = variant_file(tmp_path, {"base": ["heldout.seed=9"]})
+    cfg["heldout"] = {"anchors_per_sample": None, "seed": 3}
+    (tmp_path / "ablate.yaml").write_text(yaml.safe_dump(cfg))
+    overrides = ablate.run_overrides(load_config(tmp_path / "ablate.yaml"), "base", 1, 0, tmp_path / "run")
+    assert overrides[-2:] == ["heldout.anchors_per_sample=null", "heldout.seed=3"]
+    protocol = {"max_samples": None, "anchors_per_sample": None, "anchors_per_forward": 64, "seed": 3}
+    assert ablate.compose(overrides).heldout == protocol
+    for bad in ({"anchors": 5}, ["anchors_per_sample=null"]):
+        cfg["heldout"] = bad
+        (tmp_path / "ablate.yaml").write_text(yaml.safe_dump(cfg))
+        with pytest.raises(UserError, match=r"heldout must map keys of \['anchors_per_forward'"):
+            load_config(tmp_path / "ablate.yaml")
 
 
 @pytest.mark.parametrize("name", ["../x", "..", "a/b", "/abs", ".hidden", "a b", "a..b", "", "x" * 101])
@@ -265,7 +281,11 @@ def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
         assert set(record["data"]) == {"train_store", "eval_store", "token_freqs"}
         assert record["data"]["train_store"] != record["data"]["eval_store"]
         # the config hash is of the composed config the run trained on
-        assert record["config_sha256"] == provenance(ablate.compose(record["overrides"]), {})["config_sha256"]
+        assert record["config_sha256"] == provenance(ablate.compose(record["overrides"]))["config_sha256"]
+        # scored (and trained) under the file's held-out protocol: every anchor candidate
+        assert (
+            record["heldout"]["anchors_per_sample"] is None and "heldout.anchors_per_sample=null" in record["overrides"]
+        )
         assert record == read_json(tiny_ablation / variant / "x1_s0" / "ablate.json")
     assert records["baseline"]["recipe"] == "published" and records["default"]["recipe"] == "default"
     assert records["baseline"]["config_sha256"] != records["default"]["config_sha256"]
@@ -315,32 +335,31 @@ def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_
     new = read_json(runs / "baseline" / "x1_s0" / "ablate.json")
     assert new["steps"] == 3 and new["train_key"] != old["train_key"]
     # the key follows what the run trains on, whatever changes it
-    base = provenance(
-        ablate.compose(ablate.run_overrides(load_config(tmp_path / "runs.yaml"), "baseline", 1, 0, runs)), {}
-    )
+    base = provenance(ablate.compose(ablate.run_overrides(load_config(tmp_path / "runs.yaml"), "baseline", 1, 0, runs)))
     assert base["train_key"] == new["train_key"]
     cfg["variants"]["baseline"] = ["train.lr=5e-3"]
     (tmp_path / "runs.yaml").write_text(yaml.safe_dump(cfg))
     edited = load_config(tmp_path / "runs.yaml")
     keys = {
-        "lr": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, runs)), {}),
-        "seed": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 1, runs)), {}),
+        "lr": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, runs))),
+        "seed": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 1, runs))),
         "store": provenance(
             ablate.compose(
                 [
                     *ablate.run_overrides(edited, "baseline", 1, 0, runs),
                     f"train.train_store={tiny_world / 'store' / 'eval'}",
                 ]
-            ),
-            {},
+            )
         ),
-        "eval": provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, runs)), {"max_samples": 2}),
+        "eval": provenance(
+            ablate.compose([*ablate.run_overrides(edited, "baseline", 1, 0, runs), "heldout.max_samples=2"])
+        ),
     }
     assert len({base["train_key"], *(k["train_key"] for k in keys.values())}) == 4  # eval changes the score key only
     assert keys["eval"]["train_key"] == keys["lr"]["train_key"] and keys["eval"]["score_key"] != keys["lr"]["score_key"]
     assert keys["store"]["data"]["train_store"] != base["data"]["train_store"]
     # the run dir does not enter the key: the same run elsewhere is the same result
-    elsewhere = provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, tmp_path / "x")), {})
+    elsewhere = provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, tmp_path / "x")))
     assert elsewhere["train_key"] == keys["lr"]["train_key"]
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
 

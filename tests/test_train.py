@@ -49,6 +49,8 @@ from dspark.export import load_drafter
 from dspark.store import ShardStore, StoreWriter
 from dspark.targets import tokenizer_sha256
 from dspark.vocab import build_mapping, save_mapping
+from eval.__main__ import stage_configs
+from eval.evaluate import offline_sections
 from train.__main__ import run
 from train.build import check_devices
 from train.checkpoint import trainable_state
@@ -74,6 +76,7 @@ DDP_TRAIN = {
     "train.eval_every": 10,
     "train.keep_last": 2,
     "loss.train_on_prompt": "false",  # keep the plan's awkward steps: a sample with nothing to train
+    "heldout.anchors_per_sample": 16,  # a draw: every held-out sample has more candidates
 }
 
 
@@ -153,9 +156,39 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / "latest" / "model.safetensors")
 
 
-def compose_cfg(args: list[str]):
+def compose_cfg(args: list[str], stage: str = "train"):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose("train", overrides=args)
+        return compose(stage, overrides=args)
+
+
+def make_eval_offline(world, drafter: Path, *heldout: str) -> dict:
+    """The offline section `make eval` reports for `drafter` on the world's held-out store (one process)."""
+    args = [
+        f"drafter={drafter}",
+        "target.name=tiny",
+        f"target.name_or_path={world.verifier}",
+        "target.aux_layer_ids=null",
+        f"target.mask_token_id={VOCAB - 1}",
+        f"paths.root={world.root / 'eval-paths'}",
+        f"eval.store={world.eval_store}",
+        "eval.bench_store=null",
+        "eval.offline.device=cpu",
+        "eval.calibration.enabled=false",
+        *heldout,
+    ]
+    target, eval_cfg, protocol, _ = stage_configs(compose_cfg(args, "eval"))
+    return offline_sections(drafter, target, eval_cfg, protocol)[0]
+
+
+def assert_same_heldout_figures(trainer_row: dict, offline: dict) -> None:
+    """The trainer's eval row and make eval's offline section: the same blocks, τ and acceptance."""
+    overall = offline["overall"]
+    assert trainer_row["blocks"] == overall["blocks"]
+    assert trainer_row["tau"] == pytest.approx(overall["tau"], abs=1e-5)
+    cumulative = [trainer_row[f"accept_{k}"] for k in range(len(overall["cumulative"]))]
+    conditional = [trainer_row[f"alpha_{k}"] for k in range(len(overall["conditional"]))]
+    assert cumulative == pytest.approx(overall["cumulative"], abs=1e-5)
+    assert conditional == pytest.approx(overall["conditional"], abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +247,13 @@ def test_ddp_two_ranks_match_one_rank(world, two_rank_run):
     )
     # Weights moved: the comparison is not between two untouched initializations.
     assert losses_2[STEPS]["loss"] < losses_2[1]["loss"]
+    # Held-out figures: each rank scores its share of the samples, summed over ranks: every sample and
+    # anchor once (a rank scoring all of them, or only its own unsummed, would change `blocks`).
+    evals_1, evals_2 = rows(one_rank, "eval"), rows(two_rank_run, "eval")
+    assert sorted(evals_1) == sorted(evals_2) == [10, 20, 30, STEPS]
+    for step, row in evals_2.items():
+        assert row["blocks"] == evals_1[step]["blocks"] == 16 * 16
+        assert row["tau"] == pytest.approx(evals_1[step]["tau"], abs=1e-5), step
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -354,6 +394,10 @@ def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
 
     meta = json.loads((two_rank_run / "drafter" / "dspark_meta.json").read_text())
     assert (meta["step"], meta["world_size"], meta["eval"]["tau"]) == (STEPS, 2, evals[STEPS]["tau"])
+    # the 2-rank evaluation (samples split over the ranks) is make eval's, in one process, on the same weights
+    assert_same_heldout_figures(
+        evals[STEPS], make_eval_offline(world, two_rank_run / "drafter", "heldout.anchors_per_sample=16")
+    )
     assert meta["hardware"].startswith("2 x CPU") and meta["train_time_s"] > 0
     drafter = load_drafter(two_rank_run / "drafter")
     exported = trainable_state(drafter)
@@ -712,7 +756,7 @@ def test_checkpoints_are_fsynced_before_they_are_renamed_into_place(world, tmp_p
 
 def test_rerun_of_a_finished_run_logs_and_changes_nothing(world, tmp_path):
     run_dir = tmp_path / "run"
-    settings = {"train.eval_store": str(world.eval_store), "train.export": "true", "train.eval_max_samples": 4}
+    settings = {"train.eval_store": str(world.eval_store), "train.export": "true", "heldout.max_samples": 4}
     short_run(world, run_dir, **settings)
     metrics = (run_dir / "metrics.jsonl").read_text()
     weights = load_file(run_dir / "drafter" / "model.safetensors")
@@ -720,3 +764,27 @@ def test_rerun_of_a_finished_run_logs_and_changes_nothing(world, tmp_path):
     assert (run_dir / "metrics.jsonl").read_text() == metrics
     again = load_file(run_dir / "drafter" / "model.safetensors")
     assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+
+def test_trainer_logs_the_tau_make_eval_reports_for_its_drafter(world, tmp_path):
+    """One protocol: the final held-out τ in metrics.jsonl (and the drafter's meta) is the offline τ of
+    `make eval` on the exported drafter, same store, same samples, same seeded anchors (a draw here:
+    fewer anchors than most samples have candidates), whatever the trainer's micro-batch budget (the
+    held-out samples are longer than it: scored whole, not as windows)."""
+    run_dir = tmp_path / "run"
+    heldout = {"heldout.max_samples": 10, "heldout.anchors_per_sample": 12, "heldout.seed": 5}
+    settings = {"train.eval_store": str(world.eval_store), "train.export": "true", "train.eval_on_start": "true"}
+    short_run(world, run_dir, **settings, **heldout, **{"train.tokens_per_micro_batch": 48})
+    evals = rows(run_dir, "eval")
+    assert sorted(evals) == [0, 2] and evals[2]["tau"] != evals[0]["tau"]  # the weights moved
+    offline = make_eval_offline(world, run_dir / "drafter", *(f"{k}={v}" for k, v in heldout.items()))
+    assert offline["samples"] == 10 and offline["heldout"]["anchors_per_sample"] == 12
+    refs = sorted(ShardStore.open(world.eval_store).index(), key=lambda r: r.sample_id)[:10]
+    assert [r.sample_id for r in refs] == list(range(1000, 1010)) and any(r.n_tokens > 48 for r in refs)
+    assert offline["overall"]["blocks"] == 10 * 12  # each sample has more candidates (17 or more): a draw
+    assert_same_heldout_figures(evals[2], offline)
+    meta = json.loads((run_dir / "drafter" / "dspark_meta.json").read_text())
+    assert meta["eval"]["tau"] == evals[2]["tau"]
+    # another draw (seed) is another figure: the comparison above is not between constants
+    other = make_eval_offline(world, run_dir / "drafter", "heldout.max_samples=10", "heldout.anchors_per_sample=12")
+    assert other["overall"]["tau"] != pytest.approx(offline["overall"]["tau"], abs=1e-5)

@@ -35,7 +35,7 @@ from train_stores import (
     write_token_freqs,
 )
 
-from dspark.config import load_section, resume_kinds
+from dspark.config import HeldoutConfig, load_section, resume_kinds
 from dspark.errors import UserError
 from dspark.export import export_drafter
 from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
@@ -238,8 +238,6 @@ ALTERNATIVES = {
     "prefetch_steps": 3,
     "eval_every": 7,
     "eval_on_start": "true",
-    "eval_num_anchors": 7,
-    "eval_max_samples": 2,
     "save_every": 3,
     "keep_last": 4,
     "log_every": 2,
@@ -285,10 +283,39 @@ def test_resume_matrix_refuses_by_name_or_follows_the_new_value(world, base_run,
         assert trainer.state.step == 2, key  # resumed, not started over
         check_follows_config(trainer, ckpt)
         if key == "eval_store":
-            assert trainer.eval_split is not None and trainer.eval_split.refs[0].sample_id == 1000
+            assert trainer.eval_store is not None and trainer.eval_refs[0].sample_id == 1000
     assert seen["fixed"] and seen["changes"] and seen["free"]
     assert {"seed", "tokens_per_step", "init_from"} <= set(seen["fixed"])
     assert {"lr", "max_steps", "warmup_ratio", "epochs", "eval_store"} <= set(seen["changes"])
+
+
+def test_held_out_keys_are_compared_like_the_eval_store(world, base_run, tmp_path):
+    """heldout.* (shared with make eval) decide the metric the best checkpoint is picked on: a resume
+    refuses a changed sample set, anchor draw or seed by name unless train.allow_resume_changes, like a
+    changed train.eval_store; the batching bounds memory only and is free. A checkpoint written without
+    the section (its held-out keys then under train.*, retired since) is not compared on it."""
+    ckpt = (base_run / "checkpoints" / "step_2").resolve()
+    changes = {"max_samples": "changes", "anchors_per_sample": "changes", "seed": "changes"}
+    assert resume_kinds(HeldoutConfig) == {**changes, "anchors_per_forward": "free"}
+
+    def resumes_from(**change) -> Path | None:
+        cfg = config(world, base_run, **change)
+        return resume_point(load_section(TrainConfig, cfg, "train"), base_run, cfg)
+
+    for key, value in {"max_samples": 2, "anchors_per_sample": "null", "seed": 3}.items():
+        with pytest.raises(UserError, match=rf"cannot resume .*\['heldout.{key}'\] differ"):
+            resumes_from(**{f"heldout.{key}": value})
+        assert resumes_from(**{f"heldout.{key}": value, "train.allow_resume_changes": "true"}) == ckpt
+    assert resumes_from(**{"heldout.anchors_per_forward": 5}) == ckpt
+    run_dir = tmp_path / "old"
+    shutil.copytree(base_run, run_dir, symlinks=True)
+    old = (run_dir / "checkpoints" / "step_2").resolve()
+    saved = OmegaConf.load(old / CONFIG_FILE)
+    del saved["heldout"]
+    saved.train.eval_num_anchors, saved.train.eval_max_samples = 512, None
+    OmegaConf.save(saved, old / CONFIG_FILE)
+    cfg = config(world, run_dir, **{"heldout.anchors_per_sample": 7})
+    assert resume_point(load_section(TrainConfig, cfg, "train"), run_dir, cfg) == old
 
 
 def test_a_resumed_run_trains_at_the_new_lr_and_schedule(world, base_run, tmp_path):
@@ -343,7 +370,7 @@ def test_a_nan_held_out_tau_is_never_best(world, tmp_path, monkeypatch):
     """τ 1.7, nan, 1.2 with keep_last 1: best stays at step 1 and survives the pruning."""
     taus = iter([1.7, math.nan, 1.2])
     real = DSparkTrainer.evaluate
-    monkeypatch.setattr(DSparkTrainer, "evaluate", lambda self, batches: {**real(self, batches), "tau": next(taus)})
+    monkeypatch.setattr(DSparkTrainer, "evaluate", lambda self, refs: {**real(self, refs), "tau": next(taus)})
     run_dir = tmp_path / "run"
     settings = {"train.eval_store": world.eval_store, "train.eval_every": 1, "train.keep_last": 1}
     run(config(world, run_dir, **{**settings, "train.epochs": 3, "train.save_every": 100}))

@@ -16,15 +16,16 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration
 from omegaconf import DictConfig, OmegaConf
 
-from dspark.config import DraftConfig, LossConfig, TargetConfig, load_section
+from dspark.config import DraftConfig, HeldoutConfig, LossConfig, TargetConfig, load_section
 from dspark.errors import MissingInput, UserError
 from dspark.export import load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
-from dspark.store import ShardStore
+from dspark.store import SampleRef, ShardStore
 from dspark.targets import EMBEDDED_PREFIX, Target, dataset_target, resolve_target
 from dspark.verifier import VerifierHead
 from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
+from eval.offline import held_out_refs
 from train.checkpoint import (
     CONFIG_FILE,
     load_trainable_state,
@@ -79,14 +80,21 @@ def open_store(url: str, field: str, target: Target) -> ShardStore:
     return store
 
 
-def open_split(
-    url: str, field: str, target: Target, max_tokens: int, max_samples: int | None = None, every_token: bool = False
-) -> StoreSplit:
+def open_split(url: str, field: str, target: Target, max_tokens: int, every_token: bool = False) -> StoreSplit:
     store = open_store(url, field, target)
-    split = StoreSplit.open(store, url, max_tokens, max_samples, every_token)
+    split = StoreSplit.open(store, url, max_tokens, every_token)
     if not split.refs:
-        raise UserError(f"train.{field}={url} has no committed samples: nothing to train or evaluate on")
+        raise UserError(f"train.{field}={url} has no committed samples: nothing to train on")
     return split
+
+
+def open_heldout(url: str, target: Target, heldout: HeldoutConfig) -> tuple[ShardStore, list[SampleRef]]:
+    """The held-out store and the samples every evaluation scores (`make eval`'s: `held_out_refs`)."""
+    store = open_store(url, "eval_store", target)
+    refs = held_out_refs(store, heldout.max_samples)
+    if not refs:
+        raise UserError(f"train.eval_store={url} has no committed samples: nothing to evaluate on")
+    return store, refs
 
 
 def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir: Path) -> Path | None:
@@ -191,6 +199,7 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     target_cfg = load_section(TargetConfig, full_cfg, "target")
     draft_cfg = load_section(DraftConfig, full_cfg, "model")
     loss_cfg = load_section(LossConfig, full_cfg, "loss")
+    heldout = load_section(HeldoutConfig, full_cfg, "heldout")
     run_dir = Path(cfg.run_dir)
     if cfg.eval_store is not None and cfg.eval_store == cfg.train_store:
         raise UserError(f"train.eval_store is train.train_store ({cfg.train_store}): evaluate on a held-out store")
@@ -207,9 +216,7 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     train_split = open_split(
         cfg.train_store, "train_store", target, cfg.tokens_per_micro_batch, every_token=loss_cfg.train_on_prompt
     )
-    eval_split = None
-    if cfg.eval_store is not None:
-        eval_split = open_split(cfg.eval_store, "eval_store", target, cfg.tokens_per_micro_batch, cfg.eval_max_samples)
+    eval_store, eval_refs = open_heldout(cfg.eval_store, target, heldout) if cfg.eval_store is not None else (None, [])
 
     vocab_size = target.vocab_size
     # Rank 0 writes the run's mapping; the others read what it wrote.
@@ -247,9 +254,11 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         model=model,
         verifier=verifier,
         loss_cfg=loss_cfg,
+        heldout=heldout,
         verifier_name_or_path=verifier_name,
         train_split=train_split,
-        eval_split=eval_split,
+        eval_store=eval_store,
+        eval_refs=eval_refs,
         run_dir=run_dir,
         config_yaml=OmegaConf.to_yaml(full_cfg, resolve=True),
         run_files={} if mapping_file is None else {mapping_file.name: mapping_file},

@@ -25,7 +25,7 @@ class TrainConfig(Checked):
     train_store: str
     """Shard store (path or fsspec URL) with the training split."""
     eval_store: str | None
-    """Shard store with the held-out split; null disables evaluation."""
+    """Shard store with the held-out split, scored as `make eval` scores it (`heldout.*`); null = no evaluation."""
     token_freqs: str = resume_field("free")
     """token_freqs.npy of the data stage (loss-masked train token counts) used to build the draft vocabulary."""
     vocab_mapping: str | None = resume_field("free")
@@ -86,10 +86,6 @@ class TrainConfig(Checked):
     """Evaluate on the held-out store every this many steps (and at the end); 0 = only at the end."""
     eval_on_start: bool = resume_field("free")
     """Also evaluate before the first step (the baseline of an untrained or warm-started draft)."""
-    eval_num_anchors: int
-    """Anchors per held-out sequence (fixed across evaluations for comparable figures)."""
-    eval_max_samples: int | None
-    """Evaluate on at most this many held-out samples (null = all)."""
     save_every: int = resume_field("free")
     """Write a checkpoint every this many steps (and at the end)."""
     keep_last: int = resume_field("free")
@@ -112,11 +108,10 @@ class TrainConfig(Checked):
             "keep_last",
             "log_every",
             "prefetch_steps",
-            "eval_num_anchors",
             "max_nonfinite_steps",
         )
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
-        self.at_least(1, "max_steps", "eval_max_samples", nullable=True)
+        self.at_least(1, "max_steps", nullable=True)
         self.positive("lr", "collective_timeout_s")
         self.positive("grad_clip", nullable=True)
         self.one_of("resume", RESUME_MODES)

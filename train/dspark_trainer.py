@@ -2,36 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 import torch
 from torch import nn
 
-from dspark.anchors import sample_anchors, slot_targets, train_anchors
-from dspark.config import LossConfig
+from dspark.anchors import slot_targets, train_anchors
+from dspark.config import HeldoutConfig, LossConfig
 from dspark.export import export_drafter
 from dspark.losses import LossInputs, LossOutput, dspark_loss, term_names, weight_sum
 from dspark.metrics import AcceptanceStats
 from dspark.model import DSparkDraft
+from dspark.store import SampleRef
 from dspark.verifier import VerifierHead
 from dspark.workspace import Workspace
+from eval.offline import heldout_samples, score_samples
 from train.data import Batch
 from train.trainer import Trainer
 
 
-def anchor_seed(seed: int, epoch: int, sample_id: int, train: bool, window_start: int = 0) -> int:
-    """Seed of one window's anchors: fixed per (epoch, sample, window), whichever rank or batch it lands in.
+def anchor_seed(seed: int, epoch: int, sample_id: int, window_start: int = 0) -> int:
+    """Seed of one training window's anchors: fixed per (epoch, sample, window), whichever rank or batch
+    it lands in (held-out anchors are the `heldout` protocol's, drawn by `eval.offline`).
 
-    The first (for most samples the only) window keeps the seed of the whole sample.
+    The first (for most samples the only) window keeps the seed of the whole sample. The 1 tags the
+    training stream; it stays, so that a run resumed from an existing checkpoint draws the same anchors.
     """
-    entropy = [seed, int(train), epoch, sample_id] + ([window_start] if window_start else [])
+    entropy = [seed, 1, epoch, sample_id] + ([window_start] if window_start else [])
     state = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
     return int(state[0]) << 31 | int(state[1]) >> 1
 
 
 class DSparkTrainer(Trainer):
-    """Trains a `DSparkDraft` against the verifier distributions of the stored final layer."""
+    """Trains a `DSparkDraft` against the verifier distributions of the stored final layer; its held-out
+    figures are `make eval`'s (`eval.offline`'s scorer under the `heldout` protocol)."""
 
     def __init__(
         self,
@@ -39,10 +42,12 @@ class DSparkTrainer(Trainer):
         model: DSparkDraft,
         verifier: VerifierHead,
         loss_cfg: LossConfig,
+        heldout: HeldoutConfig,
         verifier_name_or_path: str,
         **kwargs,
     ):
         self.loss_cfg = loss_cfg
+        self.heldout = heldout
         self.block_size = model.block_size
         self.verifier_name_or_path = verifier_name_or_path
         self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
@@ -51,21 +56,17 @@ class DSparkTrainer(Trainer):
         self.term_names = term_names(loss_cfg, with_confidence=model.confidence_head is not None)
 
     # ----- data (runs in the loader workers) -----
-    def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
+    def prepare_batch(self, batch: Batch, *, epoch: int) -> Batch:
         """Anchors (resampled each epoch, one generator per window) and each slot's targets."""
-        num = self.loss_cfg.num_anchors if train else self.cfg.eval_num_anchors
-        # Which tokens anchors and scored slots may lie on: the replies' (loss_mask), or in
-        # training with loss.train_on_prompt every real token, the prompts' too.
-        trained = batch["token_mask"] if train and self.loss_cfg.train_on_prompt else batch["loss_mask"]
+        # Which tokens anchors and scored slots may lie on: the replies' (loss_mask), or with
+        # loss.train_on_prompt every real token, the prompts' too.
+        trained = batch["token_mask"] if self.loss_cfg.train_on_prompt else batch["loss_mask"]
         rows = []
         windows = zip(batch["sample_ids"].tolist(), batch["window_starts"].tolist(), strict=True)
         for row, (sample_id, start) in enumerate(windows):
-            gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, train, start))
+            gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, start))
             mask = trained[row : row + 1]
-            if not train:  # held-out anchors stay uniform: the metric does not move with the lever
-                rows.append(sample_anchors(mask, num, gen))
-                continue
-            rows.append(train_anchors(mask, num, gen, self.loss_cfg.anchor_sampling))
+            rows.append(train_anchors(mask, self.loss_cfg.num_anchors, gen, self.loss_cfg.anchor_sampling))
         width = max(a.shape[1] for a, _ in rows)
         anchors = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -96,7 +97,7 @@ class DSparkTrainer(Trainer):
             "window_starts": torch.zeros(1, dtype=torch.long),
             "num_tokens": torch.zeros((), dtype=torch.long),
         }
-        return self.prepare_batch(batch, epoch=0, train=True)
+        return self.prepare_batch(batch, epoch=0)
 
     # ----- objective -----
     def blocks(self, model: nn.Module, batch: Batch, norm) -> LossOutput:
@@ -141,28 +142,23 @@ class DSparkTrainer(Trainer):
         out["tau"] = float(1 + sums["accept_prefix_sum"] / sums["accept_blocks"].clamp_min(1))
         return out
 
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
-        """Per-position acceptance and τ on held-out data (honest: full-vocabulary target)."""
+    def evaluate(self, refs: list[SampleRef]) -> dict[str, float]:
+        """Per-position acceptance and τ on held-out data (honest: full-vocabulary target), by `make eval`'s
+        scorer: whole samples at the `heldout` protocol's anchors, this rank's `refs`, summed over ranks."""
+        draft: DSparkDraft = self.raw_model
+        samples = heldout_samples(self.eval_store, refs, draft.aux_layer_ids, progress=False)  # beside the train bar
+        table = score_samples(draft, self.verifier, samples, self.heldout, self.device)
         zeros = torch.zeros(self.block_size, dtype=torch.float64)
-        stats = AcceptanceStats(zeros.clone(), zeros.clone(), zeros.clone())
-        sums = {t: torch.zeros((), dtype=torch.float64) for t in self.term_names}
-        sums["weight"] = torch.zeros((), dtype=torch.float64)
-        for batch in batches:
-            out = self.blocks(self.raw_model, batch, 1.0)  # norm 1: raw weighted sums
-            got = out.acceptance
-            stats = stats + AcceptanceStats(got.alpha_sum.cpu(), got.prefix_sum.cpu(), got.slots.cpu())
-            for t in self.term_names:
-                sums[t] += out.terms[t].double().cpu()
-            sums["weight"] += float(batch["norm_weight"])
-        total = self.reduce_sum({"alpha": stats.alpha_sum, "prefix": stats.prefix_sum, "slots": stats.slots, **sums})
+        stats = AcceptanceStats(zeros, zeros, zeros)  # a rank with no sample (or no block) adds nothing
+        if table is not None:
+            stats = AcceptanceStats.from_alpha(torch.from_numpy(table.alpha), torch.from_numpy(table.slot_mask))
+        total = self.reduce_sum({"alpha": stats.alpha_sum, "prefix": stats.prefix_sum, "slots": stats.slots})
         stats = AcceptanceStats(total["alpha"].cpu(), total["prefix"].cpu(), total["slots"].cpu())
         if float(stats.slots[0]) == 0:
             raise ValueError(f"{self.cfg.eval_store}: no held-out sample has a trainable position to score")
         metrics = {"tau": float(stats.tau())}
         metrics.update({f"alpha_{k}": float(v) for k, v in enumerate(stats.conditional())})
         metrics.update({f"accept_{k}": float(v) for k, v in enumerate(stats.cumulative())})
-        weight = float(total["weight"])
-        metrics.update({t: float(total[t]) / weight for t in self.term_names})
         metrics["blocks"] = float(stats.slots[0])
         return metrics
 

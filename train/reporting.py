@@ -5,10 +5,11 @@ experiment trackers (`train.log_with`: TensorBoard events under `run_dir/tensorb
 wandb, mlflow, ... as installed), and `run_dir/metrics.jsonl` with one JSON object per
 line: `{"step": int, "split": "train" | "eval", <metric>: float, ...}` (train rows: `loss`,
 each loss term, `lr`, `grad_norm`, `tokens_per_s`, `data_wait`, `epoch`; eval rows: `tau`,
-`alpha_<k>` conditional and `accept_<k>` cumulative acceptance per slot, the loss terms;
-one `data` row at step 0: `train_samples`, `train_long_samples` (cut into windows),
-`train_windows` (their windows), `train_windows_left_out` (windows with nothing to score),
-the same for `eval_*`). A resumed run first drops the rows logged after its checkpoint
+`alpha_<k>` conditional and `accept_<k>` cumulative acceptance per slot and `blocks`, scored as
+`make eval` scores them (the `heldout` protocol); one `data` row at step 0: `train_samples`,
+`train_long_samples` (cut into windows), `train_windows` (their windows), `train_windows_left_out`
+(windows with nothing to score), and `eval_samples` (the held-out samples every evaluation
+scores, whole)). A resumed run first drops the rows logged after its checkpoint
 (one atomic replace of the file), so the file reads as one run with every step once.
 """
 

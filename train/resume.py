@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dspark.config import RESUME_KINDS, Checked, DraftConfig, LossConfig, TargetConfig, resume_kinds
+from dspark.config import RESUME_KINDS, Checked, DraftConfig, HeldoutConfig, LossConfig, TargetConfig, resume_kinds
 from dspark.errors import UserError
 from train.checkpoint import CONFIG_FILE, checkpoints_root, latest_checkpoint, step_dirs
 from train.config import TrainConfig
@@ -31,6 +31,7 @@ RESUME_SCHEMAS: dict[str, type[Checked]] = {
     "model": DraftConfig,
     "loss": LossConfig,
     "train": TrainConfig,
+    "heldout": HeldoutConfig,
 }
 # The identity of a draft's weights: what a warm start (train.init_from) must share with its source.
 IDENTITY_SECTIONS = ("target", "model")

@@ -72,20 +72,34 @@ class StepPlanner:
         return len(batch) * max(int(self.lengths[i]) for i in batch)
 
 
+def assign_ranks(costs: Sequence[int], world_size: int) -> list[int]:
+    """The rank of each item, in the order given: each goes to the least-loaded rank so far
+    (longest-processing-time-first balancing when the items come largest first)."""
+    load = [0] * world_size
+    ranks = []
+    for cost in costs:
+        target = min(range(world_size), key=lambda r: (load[r], r))
+        load[target] += cost
+        ranks.append(target)
+    return ranks
+
+
 def share_of_rank(planner: StepPlanner, step: list[MicroBatch], rank: int, world_size: int) -> list[MicroBatch]:
     """The micro-batches of `step` that `rank` runs: longest-processing-time-first balancing.
 
     A rank may get none (small last step, more ranks than micro-batches); it still joins
     the step's collectives with an empty batch.
     """
-    load = [0] * world_size
-    mine: list[MicroBatch] = []
-    for batch in step:  # already longest first
-        target = min(range(world_size), key=lambda r: (load[r], r))
-        load[target] += planner.padded_tokens(batch)
-        if target == rank:
-            mine.append(batch)
-    return mine
+    ranks = assign_ranks([planner.padded_tokens(batch) for batch in step], world_size)  # already longest first
+    return [batch for batch, r in zip(step, ranks, strict=True) if r == rank]
 
 
-__all__ = ["MicroBatch", "StepPlanner", "share_of_rank"]
+def share_of_samples(lengths: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """Indices of the samples (of `lengths` tokens) that `rank` scores in a held-out evaluation: every
+    sample on exactly one rank, longest first to the least-loaded one; a rank may get none."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    ranks = assign_ranks([int(lengths[i]) for i in order], world_size)
+    return sorted(i for i, r in zip(order, ranks, strict=True) if r == rank)
+
+
+__all__ = ["MicroBatch", "StepPlanner", "assign_ranks", "share_of_rank", "share_of_samples"]

@@ -3,8 +3,9 @@
 The base class owns everything that is not specific to the draft: the step plan over the
 store, background loading, gradient accumulation under DDP, the loss normalizer shared by
 all ranks, AdamW with warmup + cosine, clipping, skipping a step whose loss or gradient is
-not finite (on every rank alike), checkpoints and exact resume, evaluation cadence,
-best-checkpoint tracking (a non-finite metric is never best) and reporting. The loss normalizer and the handling of a
+not finite (on every rank alike), checkpoints and exact resume, evaluation cadence (each rank
+scores its share of the held-out samples), best-checkpoint tracking (a non-finite metric is
+never best) and reporting. The loss normalizer and the handling of a
 rank with nothing to score live here, in `train_step`, and nowhere else: the step's loss is
 the sum of every micro-batch's weighted loss over all ranks divided by `norm`, the sum of
 their `norm_weight`s; a micro-batch with `norm_weight` 0 (or a rank with no data, which runs
@@ -12,10 +13,10 @@ their `norm_weight`s; a micro-batch with `norm_weight` 0 (or a rank with no data
 
 A subclass implements (each hook's docstring says what it must return):
 
-- `prepare_batch(batch, *, epoch, train) -> Batch` (runs in the data workers),
+- `prepare_batch(batch, *, epoch) -> Batch` (runs in the data workers),
 - `empty_batch() -> Batch`,
 - `compute_loss(model, batch, norm) -> (loss, logs)`,
-- `evaluate(batches) -> dict[str, float]` (must contain `best_metric_name`),
+- `evaluate(refs) -> dict[str, float]` (must contain `best_metric_name`),
 - `export(out_dir, metrics) -> None`.
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -35,12 +35,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dspark.errors import UserError
+from dspark.store import SampleRef, ShardStore
 from train.checkpoint import CONFIG_FILE, CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
 from train.config import TrainConfig
 from train.data import Batch, StepDataset, StoreSplit, TimedLoader
 from train.optim import load_state_by_name, make_optimizer, name_unnamed_groups, warmup_cosine
 from train.reporting import Reporter
-from train.sampler import StepPlanner, share_of_rank
+from train.sampler import StepPlanner, share_of_rank, share_of_samples
 
 
 @dataclass
@@ -76,7 +77,8 @@ class Trainer:
         model: nn.Module,
         *,
         train_split: StoreSplit,
-        eval_split: StoreSplit | None,
+        eval_store: ShardStore | None,
+        eval_refs: list[SampleRef],
         run_dir: Path,
         config_yaml: str,
         run_files: dict[str, Path],
@@ -88,7 +90,9 @@ class Trainer:
         self.config_yaml = config_yaml
         self.run_files = run_files
         self.train_split = train_split
-        self.eval_split = eval_split
+        # The held-out store (None: no evaluation) and the samples every evaluation scores.
+        self.eval_store = eval_store
+        self.eval_refs = eval_refs
         self.planner = StepPlanner(train_split.lengths, cfg.tokens_per_step, cfg.tokens_per_micro_batch, cfg.seed)
         all_steps = sum(len(self.planner.epoch(e)) for e in range(cfg.epochs))
         self.total_steps = all_steps if cfg.max_steps is None else min(cfg.max_steps, all_steps)
@@ -123,15 +127,16 @@ class Trainer:
         if resume_from is not None:
             self.reporter.message(f"resuming from {resume_from} at step {self.state.step}")
         else:
-            self.reporter.data({"train": train_split.counts, "eval": eval_split.counts if eval_split else {}})
+            evals = {"samples": len(eval_refs)} if eval_store is not None else {}
+            self.reporter.data({"train": train_split.counts, "eval": evals})
 
     # ----- hooks -----
-    def prepare_batch(self, batch: Batch, *, epoch: int, train: bool) -> Batch:
-        """Runs in the data workers on a collated micro-batch (see `train.data.collate`).
+    def prepare_batch(self, batch: Batch, *, epoch: int) -> Batch:
+        """Runs in the data workers on a collated training micro-batch (see `train.data.collate`).
 
         Returns the batch extended with what `compute_loss` needs, including `norm_weight`: a
         scalar tensor, this micro-batch's share of the step's loss normalizer (0 = nothing to
-        score). Must be a pure function of the batch, `epoch` and `train` (exact resume).
+        score). Must be a pure function of the batch and `epoch` (exact resume).
         """
         raise NotImplementedError
 
@@ -147,9 +152,10 @@ class Trainer:
         for every batch (added over micro-batches and ranks, then passed to `summarize`)."""
         raise NotImplementedError
 
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
-        """Returns held-out metrics over all ranks (this rank's share, reduced with `reduce_sum`),
-        including `best_metric_name`. Every rank calls it and gets the same figures."""
+    def evaluate(self, refs: list[SampleRef]) -> dict[str, float]:
+        """Returns held-out metrics over all ranks, including `best_metric_name`: `refs` are this rank's
+        whole samples of `eval_store` (possibly none), the figures are reduced with `reduce_sum`. Every
+        rank calls it (model in eval mode, no grad) and gets the same figures."""
         raise NotImplementedError
 
     def export(self, out_dir: Path, metrics: dict[str, float]) -> None:
@@ -181,15 +187,15 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     # ----- the loop -----
-    def loader(self, split: StoreSplit, steps: list, *, epoch: int, train: bool) -> TimedLoader:
-        dataset = StepDataset(split, steps, partial(self.prepare_batch, epoch=epoch, train=train))
+    def loader(self, split: StoreSplit, steps: list, *, epoch: int) -> TimedLoader:
+        dataset = StepDataset(split, steps, partial(self.prepare_batch, epoch=epoch))
         pin = self.device.type == "cuda"
         return TimedLoader(dataset, self.cfg.data_workers, self.cfg.prefetch_steps, pin_memory=pin)
 
     def fit(self) -> dict[str, float]:
         """Train to the end of the schedule, evaluate, save, export; returns the last eval metrics."""
         cfg, acc = self.cfg, self.accelerator
-        if cfg.eval_on_start and self.eval_split is not None and self.state.step == 0:
+        if cfg.eval_on_start and self.eval_store is not None and self.state.step == 0:
             self.state.last_eval = self.run_eval()
         self.model.train()
         while self.state.step < self.total_steps and self.state.epoch < cfg.epochs:
@@ -198,7 +204,7 @@ class Trainer:
                 share_of_rank(self.planner, step, acc.process_index, acc.num_processes)
                 for step in plan[self.state.step_in_epoch :]
             ]
-            loader = self.loader(self.train_split, mine, epoch=self.state.epoch, train=True)
+            loader = self.loader(self.train_split, mine, epoch=self.state.epoch)
             start, waited = time.perf_counter(), loader.wait_s
             for micro_batches in loader:
                 logs = self.train_step(micro_batches)
@@ -229,7 +235,7 @@ class Trainer:
         step, cfg = self.state.step, self.cfg
         improved = False
         due = cfg.eval_every and step % cfg.eval_every == 0
-        if self.eval_split is not None and (due if not final else self.state.evaluated_step != step):
+        if self.eval_store is not None and (due if not final else self.state.evaluated_step != step):
             self.state.last_eval = self.run_eval()
             self.state.evaluated_step = step
             improved = self.track_best(self.state.last_eval)
@@ -302,16 +308,15 @@ class Trainer:
         return {k: float(v) for k, v in sums.items()}
 
     def run_eval(self) -> dict[str, float]:
-        """Held-out metrics on the eval store, split over ranks (the same samples every time)."""
+        """Held-out metrics on the eval store: every sample scored whole on one rank (the same samples
+        every time, whatever the number of ranks), in full precision."""
         acc = self.accelerator
-        assert self.eval_split is not None
-        n, budget = len(self.eval_split.lengths), self.cfg.tokens_per_micro_batch
-        planner = StepPlanner(self.eval_split.lengths, budget, budget, self.cfg.seed)
-        mine = share_of_rank(planner, planner.micro_batches(range(n)), acc.process_index, acc.num_processes)
-        loader = self.loader(self.eval_split, [[b] for b in mine], epoch=0, train=False)
+        assert self.eval_store is not None
+        lengths = [ref.n_tokens for ref in self.eval_refs]
+        mine = [self.eval_refs[i] for i in share_of_samples(lengths, acc.process_index, acc.num_processes)]
         self.raw_model.eval()
-        with torch.no_grad(), acc.autocast():
-            metrics = self.evaluate(self.to_device(b) for step in loader for b in step)
+        with torch.no_grad():
+            metrics = self.evaluate(mine)
         self.raw_model.train()
         self.reporter.eval(self.state.step, metrics)
         return metrics
