@@ -260,7 +260,13 @@ def _first_difference(got: Sequence[int] | None, want: Sequence[int]) -> str:
 
 
 class ShardWriter:
-    """Buffers extracted samples and commits them as shards of bounded size, one commit at a time."""
+    """Buffers extracted samples and commits them as shards of bounded size, one commit at a time.
+
+    A full buffer is committed in a thread while the requests go on: the server is not left
+    idle while a shard is compressed and written. At most one commit runs; the next full
+    buffer waits for it (so at most two shards are held in memory). A failed commit raises
+    in the caller that next adds a full buffer or flushes.
+    """
 
     def __init__(
         self,
@@ -279,35 +285,41 @@ class ShardWriter:
         self._buffer: list[Sample] = []
         self._buffered_tokens = 0
         self._lock = asyncio.Lock()
-        self._writing: set[asyncio.Future] = set()
+        self._writing: asyncio.Future | None = None
 
     async def add(self, sample: Sample) -> None:
         self._buffer.append(sample)
         self._buffered_tokens += len(sample.token_ids)
         if len(self._buffer) >= self.shard_samples or self._buffered_tokens >= self.shard_tokens:
-            await self.flush()
+            await self._start_commit()
 
     async def flush(self) -> None:
         """Commit whatever is buffered (nothing if empty); returns once no commit is running."""
+        await self._start_commit()
+        async with self._lock:
+            await self._wait_for_commit()
+
+    async def _start_commit(self) -> None:
         batch, self._buffer, self._buffered_tokens = self._buffer, [], 0
         async with self._lock:
-            await self._drain()
-            if not batch:
-                return
-            future = asyncio.ensure_future(asyncio.to_thread(self.store.write_shard, batch))
-            self._writing.add(future)
-            future.add_done_callback(self._committed)
-            # shield: a cancelled caller leaves the write running to its end (commit or
-            # clean failure); the next flush waits for it before writing again.
-            await asyncio.shield(future)
+            await self._wait_for_commit()
+            if batch:
+                self._writing = asyncio.ensure_future(asyncio.to_thread(self.store.write_shard, batch))
+                self._writing.add_done_callback(self._committed)
 
-    async def _drain(self) -> None:
-        # A failed write whose caller was cancelled only loses its batch from memory:
-        # those samples are not in the manifest, so the next pass extracts them again.
-        await asyncio.gather(*self._writing, return_exceptions=True)
+    async def _wait_for_commit(self) -> None:
+        """Wait for the running commit; its error is raised here, once. A cancelled caller leaves the
+        commit running to its end (shield); the next caller waits for it again. A failed commit only
+        loses its batch from memory: those samples are not in the manifest, so a rerun extracts them."""
+        if self._writing is None:
+            return
+        try:
+            await asyncio.shield(self._writing)
+        finally:
+            if self._writing.done():
+                self._writing = None
 
     def _committed(self, future: asyncio.Future) -> None:
-        self._writing.discard(future)
         if self.on_commit is not None and not future.cancelled() and future.exception() is None:
             self.on_commit(future.result())
 

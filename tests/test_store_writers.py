@@ -157,3 +157,58 @@ def test_clean_uncommitted_spares_a_live_writers_shard(tmp_path):
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     assert sorted(r.sample_id for r in store.index()) == [1, 2, 3]
     assert store.verify() == []
+
+
+def test_shard_writer_commits_in_the_background_in_order_and_raises_a_failed_commit(tmp_path, monkeypatch):
+    """The extraction client's writer: a full buffer is committed in a thread while samples keep
+    arriving (the server is not left idle during a shard write), one commit at a time, in order;
+    a commit that fails raises in the next caller that commits or flushes."""
+    import asyncio
+    import threading
+
+    from extract.client import ShardWriter
+
+    store = new_store(tmp_path / "s")
+    release, started, committed = threading.Event(), threading.Event(), []
+    write_shard = store.write_shard
+
+    def slow_write(batch):  # the real write, held until the test lets it go
+        started.set()
+        assert release.wait(30)
+        return write_shard(batch)
+
+    monkeypatch.setattr(store, "write_shard", slow_write)
+    writer = ShardWriter(store, shard_samples=2, shard_tokens=10**6, on_commit=committed.append)
+
+    async def scenario():
+        await writer.add(make_sample(1, 8))
+        await writer.add(make_sample(2, 8))  # full: the commit starts, add returns at once
+        assert await asyncio.to_thread(started.wait, 30)
+        await writer.add(make_sample(3, 8))  # buffered while shard 1 is being written
+        assert committed == [] and store.committed_sample_ids() == set()
+        second = asyncio.ensure_future(writer.add(make_sample(4, 8)))  # full again: waits for shard 1
+        await asyncio.sleep(0.2)
+        assert not second.done()
+        release.set()
+        await second
+        await writer.flush()
+
+    asyncio.run(scenario())
+    assert [c["n_samples"] for c in committed] == [2, 2]
+    reader = ShardStore.open(tmp_path / "s")
+    assert [r.sample_id for r in reader.index()] == [1, 2, 3, 4] and reader.verify() == []
+
+    def disk_full(batch):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "write_shard", disk_full)
+
+    async def failing():
+        await writer.add(make_sample(5, 8))
+        await writer.add(make_sample(6, 8))  # the commit starts and fails in its thread
+        with pytest.raises(OSError, match="No space"):
+            await writer.flush()
+        await writer.flush()  # raised once: nothing left running or buffered
+
+    asyncio.run(failing())
+    assert [r.sample_id for r in ShardStore.open(tmp_path / "s").index()] == [1, 2, 3, 4]
