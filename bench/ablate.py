@@ -51,7 +51,7 @@ from bench import write_figures
 from bench.ablate_record import REPO, check_name, git_state, provenance, read_json
 from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import load_config
-from dspark.entry import fail
+from dspark.entry import script_main
 from dspark.errors import UserError
 
 DEFAULT_CONFIG = Path(__file__).with_name("ablate.yaml")
@@ -383,7 +383,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as err:
-        fail(str(err))
+    script_main(main)

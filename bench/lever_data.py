@@ -36,7 +36,6 @@ import io
 import json
 import os
 import platform
-import sys
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -47,7 +46,7 @@ import numpy as np
 
 from bench import write_atomically
 from bench.ablate_record import REPO, check_name, git_state, store_fingerprint
-from dspark.entry import fail
+from dspark.entry import script_main
 from dspark.errors import UserError
 
 BENCH_DATA = REPO / "bench" / "data"
@@ -348,6 +347,8 @@ def materialize(
             },
         }
         write_atomically(folder / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+        record["manifest_sha256"] = sha256((folder / MANIFEST).read_bytes())
+        write_atomically(out / RECORD, (json.dumps(record, indent=2) + "\n").encode())
     return record
 
 
@@ -395,7 +396,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as err:
-        fail(str(err))
+    script_main(main)

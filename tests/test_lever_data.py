@@ -156,7 +156,8 @@ def test_stores_of_the_same_data_are_reused_partial_ones_built_and_others_refuse
 
     # the reference build is recorded in the manifest; equal stores then match it
     bench = copy_bench(tiny_bench, tmp_path)
-    lever_data.materialize("tiny", out, root=bench, reference=True)
+    built = lever_data.materialize("tiny", out, root=bench, reference=True)
+    assert built["manifest_sha256"] == lever_data.sha256((bench / "tiny" / "manifest.json").read_bytes())
     reference = json.loads((bench / "tiny" / "manifest.json").read_text())["reference_stores"]
     assert reference["train"]["fingerprint"] == stores["train"]["fingerprint"] and reference["eval"]["samples"] == 5
     assert "extract.deterministic=true" in reference["settings"]
