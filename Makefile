@@ -22,7 +22,7 @@ TEST_WORKERS ?= 2
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup demo data plan extract train eval decode serve test test-fast lint bench ablate verify clean
+.PHONY: setup demo data plan extract train eval decode serve test test-fast lint bench ablate lever-data verify clean
 
 setup: $(STAMP)
 
@@ -106,6 +106,10 @@ bench: setup
 # Training variants side by side (bench/ablate.yaml): held-out tau with standard errors.
 ablate: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ablate $(ARGS)
+
+# The fixed lever benchmark's dataset (bench/data/<name>/) and its deterministic stores, under runs/lever-bench/<name>.
+lever-data: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.lever_data $(ARGS)
 
 clean:
 	rm -rf runs outputs .pytest_cache

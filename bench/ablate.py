@@ -24,7 +24,13 @@ Every run records the commit and dirty flag it was trained and scored at, its re
 hash and its data's fingerprints (`bench.ablate_record`); the table records the commit it was
 made at. Results are written atomically.
 
+With `bench_data: NAME` in the file (or `bench_data=NAME` on the command line) every run trains and
+is scored on the stores of that fixed lever benchmark (`bench/data/NAME/`, built by `bench.lever_data`
+first where missing; runs under `<runs_dir>/bench_data/NAME/`), the table names the benchmark and its
+stores' fingerprints, and each row adds `by_source`: τ and the gains per held-out source (benchmark).
+
 Usage: python -m bench.ablate [config=bench/ablate.yaml] [out=bench/results] [only=a,b] [seeds=0,1] [budgets=1,4]
+       [bench_data=NAME]
 A stored result is reused only when what produced it is unchanged (its score key); a drafter whose
 results are missing or torn is re-scored; a run interrupted before its drafter resumes from its
 checkpoint; anything else is retrained from step 0. A scored run's checkpoints are deleted
@@ -44,10 +50,10 @@ from pathlib import Path
 import numpy as np
 
 from bench import write_figures
-from bench.ablate_record import REPO, git_state, provenance, read_json
+from bench.ablate_record import REPO, check_name, git_state, provenance, read_json
 from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import load_config
-from dspark.entry import fail
+from dspark.entry import script_main
 from dspark.errors import UserError
 
 DEFAULT_CONFIG = Path(__file__).with_name("ablate.yaml")
@@ -261,7 +267,27 @@ def plot(table: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def with_bench_data(cfg: dict) -> tuple[dict, dict | None]:
+    """`cfg` with every run on the stores of its lever benchmark (`bench_data`, built first if missing),
+    and the benchmark's record (`bench.lever_data`); `cfg` itself and None without one."""
+    name = cfg.get("bench_data")
+    if not name:
+        return cfg, None
+    from bench import lever_data
+
+    manifest = lever_data.load_manifest(lever_data.bench_dir(name))
+    target = compose(list(cfg["common"])).target
+    if target.name_or_path != manifest["target"]["name_or_path"]:
+        raise UserError(
+            f"bench_data={name} holds data of the verifier {manifest['target']['name_or_path']!r}; "
+            f"the runs' `common` overrides train on {target.name_or_path!r}"
+        )
+    record = lever_data.materialize(name)
+    return {**cfg, "common": [*cfg["common"], *lever_data.train_overrides(record)]}, record
+
+
 def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dict:
+    cfg, bench_data = with_bench_data(cfg)
     variants = only or list(cfg["variants"])
     unknown = sorted(set(variants) - set(cfg["variants"]))
     if unknown:
@@ -271,6 +297,8 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
         if name in against and against[name] not in variants:
             print(f"note: {name} is measured against {against[name]}, not in this run: no gain_against", flush=True)
     root = Path(os.path.expandvars(cfg["runs_dir"]))
+    if bench_data is not None:  # runs on the benchmark's stores, beside (not over) those on the default stores
+        root = root / "bench_data" / bench_data["name"]
     runs, blocks, untrained = [], {}, {}
     total = len(variants) * len(cfg["seeds"]) * len(cfg["budgets"])
     for variant in variants:
@@ -286,22 +314,40 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
                     f"tau {blocks[variant, budget, seed].tau.mean():.4f} ({record['wall_s']:.0f} s)",
                     flush=True,
                 )
-    table = summarize(runs, blocks, untrained, cfg["reference"], against)
+    sources = None
+    if bench_data is not None:
+        from eval.offline import read_sources
+
+        sources = read_sources(bench_data["data_dir"])
+    table = summarize(runs, blocks, untrained, cfg["reference"], against, sources)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(table, out_dir / "ablations.png")
-    return write_figures(out_dir, "ablations", {"made": git_state(), "config": cfg, "runs": runs, "table": table})
+    result = {"made": git_state(), "config": cfg, "runs": runs, "table": table}
+    if bench_data is not None:
+        result["bench_data"] = {
+            "name": bench_data["name"],
+            "manifest_sha256": bench_data["manifest_sha256"],
+            "stores": {
+                split: {k: store[k] for k in ("fingerprint", "matches_reference")}
+                for split, store in bench_data["stores"].items()
+            },
+        }
+    return write_figures(out_dir, "ablations", result)
 
 
 def main(argv: list[str]) -> int:
     args = {}
     for item in argv:
         key, sep, value = item.partition("=")
-        if not sep or key not in {"config", "out", "only", "seeds", "budgets"}:
+        if not sep or key not in {"config", "out", "only", "seeds", "budgets", "bench_data"}:
             raise UserError(
-                f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1 or budgets=1,4"
+                f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1, budgets=1,4 "
+                "or bench_data=NAME"
             )
         args[key] = value
     cfg = load_config(Path(args.get("config", DEFAULT_CONFIG)))
+    if "bench_data" in args:  # empty: the stores of `common` (make data extract)
+        cfg["bench_data"] = check_name("benchmark", args["bench_data"]) if args["bench_data"] else None
     for key in ("seeds", "budgets"):
         if key in args:
             try:
@@ -319,11 +365,15 @@ def main(argv: list[str]) -> int:
             f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  "
             f"vs {row.get('against', '-')} {against['mean']:+.4f} ± {against['se']:.4f}  wall {row['wall_s']['mean']:.0f} s"
         )
+        for source, part in row.get("by_source", {}).items():
+            gain, against = part.get("gain", none), part.get("gain_against", none)
+            print(
+                f"{source:>26}: tau {part['tau']['mean']:.4f} ± {part['tau']['se']:.4f}  "
+                f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  vs {row.get('against', '-')} "
+                f"{against['mean']:+.4f} ± {against['se']:.4f}  ({part['heldout_conversations']} conversations)"
+            )
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as err:
-        fail(str(err))
+    script_main(main)

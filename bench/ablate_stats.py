@@ -61,6 +61,10 @@ class Blocks:
     mask: np.ndarray  # [n, B] bool
     key: np.ndarray  # [n, 2] int64 (sample id, anchor position): the block's identity
 
+    def select(self, rows: np.ndarray) -> Blocks:
+        """The blocks of `rows` (a boolean mask or indices)."""
+        return Blocks(self.alpha[rows], self.mask[rows], self.key[rows])
+
     @property
     def conversations(self) -> np.ndarray:
         """The conversation (sample id) of each block [n]: the SE's clusters."""
@@ -117,13 +121,49 @@ def paired_gain(mine: list[Blocks], theirs: dict, variant: str, budget: int, see
     return over_seeds([b.tau - theirs[variant, budget, s].tau for b, s in zip(mine, seeds)], mine[0].conversations)
 
 
-def summarize(runs: list[dict], blocks: dict, untrained: dict, reference: str, against: dict[str, str]) -> list[dict]:
+def by_source(
+    mine: list[Blocks], blocks: dict, names: dict[str, str | None], budget: int, seeds: list[int], labels: np.ndarray
+) -> dict:
+    """Per held-out source: its conversations and blocks, τ, and each gain of `names` ({column: variant})."""
+    out = {}
+    for label in sorted(set(labels.tolist())):
+        rows = labels == label
+        part = [b.select(rows) for b in mine]
+        conversations = part[0].conversations
+        figures = {
+            "heldout_conversations": int(np.unique(conversations).size),
+            "heldout_blocks": int(conversations.size),
+            "tau": over_seeds([b.tau for b in part], conversations),
+        }
+        for column, variant in names.items():
+            theirs = {
+                (variant, budget, s): blocks[variant, budget, s].select(rows)
+                for s in seeds
+                if (variant, budget, s) in blocks
+            }
+            gain = None if variant is None else paired_gain(part, theirs, variant, budget, seeds)
+            if gain is not None:
+                figures[column] = gain
+        out[str(label)] = figures
+    return out
+
+
+def summarize(
+    runs: list[dict],
+    blocks: dict,
+    untrained: dict,
+    reference: str,
+    against: dict[str, str],
+    sources: dict[int, str] | None = None,
+) -> list[dict]:
     """One table row per (variant, budget): every figure as {mean, se, seeds}.
 
     `runs`: run records (variant, budget, seed, steps, train_tokens, wall_s, train_time_s);
     `blocks[(variant, budget, seed)]` and `untrained[(variant, seed)]`: `Blocks` on the same held-out blocks;
     `reference`: the variant every `gain` is paired against; `against[variant]`: the variant its own
-    decision is measured against (`gain_against`), where it names one.
+    decision is measured against (`gain_against`), where it names one. With `sources` (sample id ->
+    source) naming more than one source, each row adds `by_source`: τ and the gains per source, their
+    SEs clustered by conversation within it.
     """
     table = []
     for variant, budget in dict.fromkeys((r["variant"], r["budget"]) for r in runs):
@@ -164,5 +204,9 @@ def summarize(runs: list[dict], blocks: dict, untrained: dict, reference: str, a
             )
         for key in ("wall_s", "train_time_s"):
             row[key] = combine_seeds([r[key] for r in rows], [0.0] * len(rows))
+        labels = np.array([(sources or {}).get(int(c), "unknown") for c in conversations], dtype=object)
+        if sources and len(set(labels.tolist())) > 1:
+            names = {"gain": reference, "gain_against": against.get(variant)}
+            row["by_source"] = by_source(mine, blocks, names, budget, seeds, labels)
         table.append(row)
     return table

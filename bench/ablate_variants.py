@@ -32,6 +32,8 @@ FILE_KEYS = {
     "reference",
     "variants",
 }
+# Keys a variant file may leave out, with their defaults.
+OPTIONAL_KEYS = {"bench_data": None}
 
 
 def load_config(path: Path) -> dict:
@@ -43,6 +45,10 @@ def load_config(path: Path) -> dict:
     missing = sorted(FILE_KEYS - set(cfg or {}))
     if missing:
         raise UserError(f"{path}: missing keys {missing}")
+    for key, value in OPTIONAL_KEYS.items():
+        cfg.setdefault(key, value)
+    if cfg["bench_data"] is not None:
+        check_name("benchmark", cfg["bench_data"])
     check_recipe(path, cfg["recipe"])
     check_heldout(path, cfg["heldout"])
     specs = {check_name("variant", name): variant_spec(path, name, spec) for name, spec in cfg["variants"].items()}

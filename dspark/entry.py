@@ -51,6 +51,14 @@ def fail(message: str) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
+def script_main(main: Callable[[list[str]], int]) -> None:
+    """Run a plain `main(argv) -> exit status` (no Hydra) on the command line, a UserError as `fail` prints it."""
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as err:
+        fail(str(err))
+
+
 def check_overrides(config_name: str, overrides: list[str]) -> None:
     """Compose the config once without running anything; a user error if Hydra refuses the overrides.
 

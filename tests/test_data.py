@@ -298,6 +298,35 @@ def test_duplicates_land_in_one_split_end_to_end(tiny_qwen3_dir, tmp_path):
     assert sum(s == {"eval"} for s in splits.values()) == 3  # ceil(0.3 * 7)
 
 
+def test_a_mix_source_with_a_split_puts_every_conversation_in_it(tiny_qwen3_dir, tmp_path):
+    """Training prompts from one source, held-out ones from others; a source without a split is
+    split by fingerprint among its own prompts alone."""
+    reply = "A reply long enough to keep " * 3
+    paths = {}
+    for name, n in (("train", 10), ("held", 4), ("free", 8)):
+        paths[name] = write_lines(tmp_path / f"{name}.jsonl", [sharegpt(f"{name} prompt {i}", reply) for i in range(n)])
+    sources = (
+        f"[{{source: jsonl, path: {paths['train']}, samples: 10, split: train}}, "
+        f"{{source: jsonl, path: {paths['held']}, samples: 4, split: eval}}, "
+        f"{{source: jsonl, path: {paths['free']}, samples: 8}}]"
+    )
+    out = tmp_path / "out"
+    summary = run(
+        stage_config(
+            tiny_qwen3_dir, out, "data=mix", f"data.sources={sources}", "regen.enabled=false", "data.eval_fraction=0.25"
+        )
+    )
+    by_source = {}
+    for row in read_rows(out):
+        by_source.setdefault(row["source"], []).append(row["split"])
+    assert by_source["jsonl:train.jsonl"] == ["train"] * 10
+    assert by_source["jsonl:held.jsonl"] == ["eval"] * 4
+    assert sorted(by_source["jsonl:free.jsonl"]) == ["eval"] * 2 + ["train"] * 6  # ceil(0.25 * 8), not of all 22
+    assert [p["split"] for p in summary["source"]["sources"]] == ["train", "eval", None]
+    with pytest.raises(UserError, match="split='test'"):
+        run(stage_config(tiny_qwen3_dir, out, "data=mix", "data.sources=[{source: sharegpt, samples: 2, split: test}]"))
+
+
 def test_journal_drops_a_torn_last_line(tmp_path):
     path = tmp_path / "j.jsonl"
     path.write_text('{"sample_id": 1, "messages": []}\n{"sample_id": 2, "mess')  # killed mid-append

@@ -132,10 +132,11 @@ def write_store(
     first_id: int = 0,
     target: dict | None = None,
     shard_size: int = 16,
+    extra_attrs: dict | None = None,
 ) -> ShardStore:
     """A store holding `(token_ids, loss_mask)` samples with the verifier's hidden states."""
     target = target or store_target(verifier_dir)
-    store = StoreWriter.create_or_open(url, target, tokenizer_sha256(verifier_dir))
+    store = StoreWriter.create_or_open(url, target, tokenizer_sha256(verifier_dir), extra_attrs)
     hidden = extract(verifier_dir, target["layer_ids"], [ids for ids, _ in samples])
     rows = [
         Sample(first_id + i, ids.astype(np.int32), mask.astype(np.uint8), h)

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from dspark.config import Checked
 from dspark.errors import UserError
+from extract.data.output import SPLITS
 
 TOOL_CALL_MODES = ("keep", "regenerate")
 
@@ -27,8 +28,13 @@ class MixPart:
     """Share of `data.max_samples` drawn from this source (weights are normalized over the mix)."""
     samples: int | None = None
     """Exact number of conversations drawn from this source (instead of a weight)."""
+    split: str | None = None
+    """`train` or `eval`: every conversation of this source goes to that split (null: the fingerprint
+    split by `data.eval_fraction`), e.g. training prompts from one source, held-out ones from another."""
 
     def __post_init__(self) -> None:
+        if self.split is not None and self.split not in SPLITS:
+            raise UserError(f"data.sources: {self.source}: split={self.split!r}, expected one of {SPLITS} or null")
         if (self.weight is None) == (self.samples is None):
             raise UserError(f"data.sources: {self.source} {self.path or ''}: give exactly one of weight or samples")
         if self.weight is not None and not self.weight > 0:

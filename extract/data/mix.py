@@ -4,7 +4,8 @@ Each part is read as a source of its own (same `max_turns`). A conversation whos
 fingerprint (`split.prompt_fingerprint`) already came from an earlier part is dropped and
 counted as "duplicate prompt across sources", so every prompt has one source and, through
 the fingerprint split, one split. Parts with `samples` give exact counts; parts with
-`weight` share `data.max_samples` by largest remainder. A part with fewer usable
+`weight` share `data.max_samples` by largest remainder. A part with a `split` puts every
+conversation it gives in that split; the others are split by fingerprint. A part with fewer usable
 conversations than its share gives all it has, and the summary says so. Sample ids are
 `part index * ID_STRIDE + id within the part`: stable across runs, so a resumed or
 re-weighted mix reuses every regenerated conversation it still draws.
@@ -53,7 +54,10 @@ def load_and_select(cfg: SourceConfig) -> tuple[SourceData, list[Conversation], 
             fresh.append(conv)
         # Fingerprints of the whole part, not only of its draw: a later part never repeats any of it.
         seen.update(prompt_fingerprint(c.messages) for c in fresh)
-        drawn = [replace(c, sample_id=c.sample_id + index * ID_STRIDE) for c in select(fresh, quota, cfg.seed)]
+        drawn = [
+            replace(c, sample_id=c.sample_id + index * ID_STRIDE, split=part.split)
+            for c in select(fresh, quota, cfg.seed)
+        ]
         mixed.conversations.extend(fresh)
         selected.extend(drawn)
         parts.append(

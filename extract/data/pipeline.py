@@ -153,8 +153,9 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
     dropped, truncated, context_turns = Problems(), 0, 0
     # Split on the source prompts (known before regeneration), so which samples are held
     # out never depends on what the target happened to generate.
+    # A mix source with its own split (`MixPart.split`) takes no part in the fingerprint split.
     fingerprints = {c.sample_id: prompt_fingerprint(c.messages) for c in selected}
-    held_out = eval_fingerprints(set(fingerprints.values()), eval_fraction)
+    held_out = eval_fingerprints({fingerprints[c.sample_id] for c in selected if c.split is None}, eval_fraction)
     for conv in selected:
         where = f"sample {conv.sample_id}"
         try:
@@ -171,7 +172,7 @@ def _tokenize_and_split(selected, replies, chat, source_name, max_length, min_lo
             dropped.add("too few loss tokens", where, f"{sum(mask)} < {min_loss_tokens}")
             continue
         context_turns += unscored
-        split = "eval" if fingerprints[conv.sample_id] in held_out else "train"
+        split = conv.split or ("eval" if fingerprints[conv.sample_id] in held_out else "train")
         rows[split].append(
             {
                 "sample_id": conv.sample_id,

@@ -98,6 +98,8 @@ class Conversation:
     """Function schemas offered to the model (the row's `tools`), rendered by the chat template."""
     source: str = ""
     """Name of the source the conversation came from (set for every sample of a mix)."""
+    split: str | None = None
+    """The split its mix source puts it in (`MixPart.split`); None: the fingerprint split decides."""
 
 
 @dataclass
