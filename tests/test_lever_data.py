@@ -186,7 +186,7 @@ def ablate_file(tmp_path: Path, common: list[str], **changes) -> Path:
         "steps": 1,
         "budgets": [1],
         "seeds": [0],
-        "eval": {},
+        "heldout": {},
         "reference": "base",
         "variants": {"base": [], "other_store": ["train.train_store=/elsewhere"]},
         **changes,
