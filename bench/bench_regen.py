@@ -149,14 +149,7 @@ def main(out_dir: Path) -> dict:
     target, model_dir = verifier.config, verifier.model_dir
     chat = ChatTokenizer(model_dir, target.chat_template_kwargs)
     conversations = select(load_source(source).conversations, source.max_samples, source.seed)
-    settings = ChatSettings(
-        regen.temperature,
-        regen.top_p,
-        regen.max_new_tokens,
-        target.max_model_len,
-        dict(target.chat_template_kwargs),
-        regen.tool_calls,
-    )
+    settings = ChatSettings.of(regen, target)
     # One turn each (the demo's max_turns=1): the prompt is everything before the first assistant turn.
     prompts = []
     for conv in conversations:

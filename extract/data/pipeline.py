@@ -62,14 +62,7 @@ def build_dataset(
     if not selected:
         raise UserError(f"source {loaded.name}: no usable conversation among {loaded.rows} rows (reasons above)")
 
-    settings = ChatSettings(
-        regen.temperature,
-        regen.top_p,
-        regen.max_new_tokens,
-        target.max_model_len,
-        dict(target.chat_template_kwargs),
-        regen.tool_calls,
-    )
+    settings = ChatSettings.of(regen, target)
     if regen.enabled:
         # Everything that changes what a conversation's regeneration would be; not the draw
         # (sample ids are stable, so a larger max_samples reuses what is done) nor the split.

@@ -56,6 +56,18 @@ class ChatSettings:
     chat_template_kwargs: dict[str, Any]
     tool_calls: str
 
+    @classmethod
+    def of(cls, regen, target) -> ChatSettings:
+        """The settings of a `RegenConfig` for a `TargetConfig` (its context and chat-template arguments)."""
+        return cls(
+            regen.temperature,
+            regen.top_p,
+            regen.max_new_tokens,
+            target.max_model_len,
+            dict(target.chat_template_kwargs),
+            regen.tool_calls,
+        )
+
 
 def prompt_sha(messages: list[dict[str, Any]], tools: list | None = None) -> str:
     """Identity of a conversation's prompts: everything but assistant replies (tool calls and tools count)."""
