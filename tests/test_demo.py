@@ -2,8 +2,9 @@
 
 The same command a user runs on a fresh machine, with the run directory moved to a
 scratch dir; about 12-15 minutes alone on 2 cores, so it is marked `slow` (still run by
-`make test`). Under `make test` it shares the 2 cores with the other worker's vLLM servers and
-training runs and took 36 minutes (2026-12-02): the timeout leaves room for a slower machine.
+`make test`). Under `make test` it shares the 2 cores with the other worker (each worker's vLLM
+servers on their own core, tests/conftest.py) and took 15 minutes (2026-12-02); the timeout
+leaves room for a slower machine.
 """
 
 import json
