@@ -22,7 +22,6 @@ Run: python -m bench.bench_regen   (or python -m bench only=regen)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from extract.data.config import RegenConfig, SourceConfig
 from extract.data.regenerate import ChatSettings, Journal, regenerate
 from extract.data.sources import load_source, select
 from extract.data.tokenize import ChatTokenizer
-from extract.server import VLLMServer, cpu_preload
+from extract.server import VLLMServer, vllm_env
 from extract.servers import served_model
 
 ROUNDS = 3
@@ -84,11 +83,12 @@ class OfflineEngine:
         spec_path = workdir / "offline.json"
         spec_path.write_text(json.dumps(spec))
         self.log = workdir / "offline.log"
+        self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", OFFLINE, str(spec_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(self.log, "w"),
+            stderr=self._log_file,
             text=True,
             env=env,
         )
@@ -114,6 +114,8 @@ class OfflineEngine:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
 
 
 def stage_pass(
@@ -155,11 +157,7 @@ def main(out_dir: Path) -> dict:
     for conv in conversations:
         first = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
         prompts.append(conv.messages[:first])
-    env = dict(os.environ)
-    env.update(srv.env)
-    env["LD_PRELOAD"], _ = cpu_preload(env.get("LD_PRELOAD", ""))
-    if not env["LD_PRELOAD"]:
-        del env["LD_PRELOAD"]
+    env, _ = vllm_env(srv.env)  # as the server's: same overrides, same preloaded libraries
     spec = {
         "model": str(model_dir),
         "dtype": target.dtype,
@@ -188,7 +186,7 @@ def main(out_dir: Path) -> dict:
             offline = OfflineEngine(spec, tmp, env)
             try:
                 passes = {
-                    "offline": offline.run,
+                    "offline": lambda r: offline.run(),
                     "stage": lambda r: stage_pass(
                         conversations, server.url, model, chat, settings, regen.concurrency, tmp / f"s{r}.jsonl"
                     ),
@@ -200,7 +198,7 @@ def main(out_dir: Path) -> dict:
                 stage_pass(conversations, server.url, model, chat, settings, regen.concurrency, tmp / "warm.jsonl")
                 for r in range(ROUNDS):
                     for name, run_pass in passes.items():
-                        figures_of[name].append(run_pass() if name == "offline" else run_pass(r))
+                        figures_of[name].append(run_pass(r))
             finally:
                 offline.close()
 
@@ -211,6 +209,9 @@ def main(out_dir: Path) -> dict:
         return [round(t / s, 1) for t, s in runs]
 
     base = rate(figures_of["offline"])
+    rounds = [
+        (t / s) / (ot / os_) for (t, s), (ot, os_) in zip(figures_of["stage"], figures_of["offline"], strict=True)
+    ]
     figures = {
         "setting": {
             "target": target.name_or_path,
@@ -231,18 +232,9 @@ def main(out_dir: Path) -> dict:
         "stage_vs_offline": round(rate(figures_of["stage"]) / base, 3),
         "stage_all_in_flight_tokens_per_s": round(rate(figures_of["stage_all_in_flight"]), 1),
         "stage_all_in_flight_vs_offline": round(rate(figures_of["stage_all_in_flight"]) / base, 3),
+        "stage_vs_offline_per_round": [round(x, 3) for x in rounds],
         # the median round: one round disturbed by other work on a shared machine does not move it
-        "stage_vs_offline_median": round(
-            float(
-                np.median(
-                    [(t / s) / (ot / os_) for (t, s), (ot, os_) in zip(figures_of["stage"], figures_of["offline"])]
-                )
-            ),
-            3,
-        ),
-        "stage_vs_offline_per_round": [
-            round((t / s) / (ot / os_), 3) for (t, s), (ot, os_) in zip(figures_of["stage"], figures_of["offline"])
-        ],
+        "stage_vs_offline_median": round(float(np.median(rounds)), 3),
     }
     print(
         f"{len(conversations)} conversations, {ROUNDS} alternating rounds: offline vLLM {base:.0f} tok/s, "

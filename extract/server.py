@@ -175,18 +175,14 @@ class VLLMServer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
-        env = {**os.environ, **self.env}
+        env, missing = vllm_env(self.env, preload=self.cpu_preload)
         preload_note = ""
-        if self.cpu_preload and _vllm_cpu():
-            env["LD_PRELOAD"], missing = cpu_preload(env.get("LD_PRELOAD", ""))
-            if missing:
-                preload_note = (
-                    f"vLLM server on CPU without {' and '.join(missing)} preloaded (not found; `make setup` "
-                    "installs them): it runs slower, speculative decoding and extraction most"
-                )
-                print(f"note: {preload_note}", flush=True)
-            if not env["LD_PRELOAD"]:
-                del env["LD_PRELOAD"]
+        if missing:
+            preload_note = (
+                f"vLLM server on CPU without {' and '.join(missing)} preloaded (not found; `make setup` "
+                "installs them): it runs slower, speculative decoding and extraction most"
+            )
+            print(f"note: {preload_note}", flush=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(cmd)}\n".encode())
             log.write(
@@ -268,6 +264,19 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def vllm_env(overrides: Mapping[str, str], *, preload: bool = True) -> tuple[dict[str, str], list[str]]:
+    """(environment of a vLLM process, the libraries of `CPU_PRELOAD` not found): this process's
+    environment with `overrides` over it and, with vllm-cpu installed and `preload`, `CPU_PRELOAD`
+    in `LD_PRELOAD`."""
+    env = {**os.environ, **overrides}
+    missing: list[str] = []
+    if preload and _vllm_cpu():
+        env["LD_PRELOAD"], missing = cpu_preload(env.get("LD_PRELOAD", ""))
+        if not env["LD_PRELOAD"]:
+            del env["LD_PRELOAD"]
+    return env, missing
 
 
 @functools.cache
@@ -357,7 +366,7 @@ def supervise(stop_timeout_s: float, cmd: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-__all__ = ["CPU_PRELOAD", "VLLMServer", "ServerError", "cpu_preload", "free_port", "log_tail", "supervise"]
+__all__ = ["CPU_PRELOAD", "VLLMServer", "ServerError", "cpu_preload", "free_port", "log_tail", "supervise", "vllm_env"]
 
 if __name__ == "__main__":
     # python -m extract.server STOP_TIMEOUT_S -- CMD ...
