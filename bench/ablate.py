@@ -108,7 +108,7 @@ def score(draft, verifier, full_cfg) -> Blocks:
     """The offline evaluation's per-block acceptance of `draft` on the run's held-out store, under the
     run's `heldout` protocol."""
     from dspark.config import HeldoutConfig, load_section
-    from eval.offline import evaluate_store, open_heldout_store
+    from dspark.eval.offline import evaluate_store, open_heldout_store
 
     heldout = load_section(HeldoutConfig, full_cfg, "heldout")
     store = open_heldout_store(full_cfg.train.eval_store)
@@ -135,8 +135,8 @@ def stored(run_dir: Path, score_key: str) -> tuple[dict, Blocks] | None:
 def untrained_blocks(cfg: dict, variant: str, seed: int, run_dir: Path) -> Blocks:
     """Score the draft a run of this variant and seed starts from (init levers included), untrained."""
     from dspark.config import to_dataclass
-    from train.build import build_trainer, make_accelerator
-    from train.config import TrainConfig
+    from dspark.train.build import build_trainer, make_accelerator
+    from dspark.train.config import TrainConfig
 
     full_cfg = compose([*run_overrides(cfg, variant, 1, seed, run_dir, "restart"), "train.data_workers=0"])
     made = provenance(full_cfg)
@@ -316,7 +316,7 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
                 )
     sources = None
     if bench_data is not None:
-        from eval.offline import read_sources
+        from dspark.eval.offline import read_sources
 
         sources = read_sources(bench_data["data_dir"])
     table = summarize(runs, blocks, untrained, cfg["reference"], against, sources)

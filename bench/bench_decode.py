@@ -27,11 +27,11 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from bench import write_figures
 from bench.tiny_models import TINY_DRAFT, tiny_qwen3_config
+from dspark.eval.decode_runs import hf_generate, profile_costs
+from dspark.eval.speculative import SpeculativeDecoder, Verifier
 from dspark.export import export_drafter, load_drafter
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
-from eval.decode_runs import hf_generate, profile_costs
-from eval.speculative import SpeculativeDecoder, Verifier
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS, ROUNDS = 2, 32, 32, 2
 

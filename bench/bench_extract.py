@@ -34,13 +34,13 @@ import httpx
 
 from bench import write_figures
 from dspark.config import TargetConfig, load_section  # noqa: E402
+from dspark.extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
+from dspark.extract.config import ExtractConfig, ServerConfig  # noqa: E402
+from dspark.extract.pipeline import load_verifier, raw_bytes_per_token, store_bytes  # noqa: E402
+from dspark.extract.server import VLLMServer  # noqa: E402
+from dspark.extract.servers import deterministic_args, server_args  # noqa: E402
 from dspark.store import ShardStore, StoreWriter  # noqa: E402
 from dspark.targets import Target  # noqa: E402
-from extract.client import HiddenStatesClient, Row, ShardWriter, default_staging_root, extract_rows  # noqa: E402
-from extract.config import ExtractConfig, ServerConfig  # noqa: E402
-from extract.pipeline import load_verifier, raw_bytes_per_token, store_bytes  # noqa: E402
-from extract.server import VLLMServer  # noqa: E402
-from extract.servers import deterministic_args, server_args  # noqa: E402
 
 N_SAMPLES = 64
 ROUNDS = 3
@@ -61,9 +61,9 @@ def stage_config() -> tuple[TargetConfig, ExtractConfig, ServerConfig]:
 
 
 def sharegpt_rows(model_dir: Path, n: int) -> list[Row]:
-    from extract.data.config import SourceConfig
-    from extract.data.sources import load_source, select
-    from extract.data.tokenize import ChatTokenizer
+    from dspark.extract.data.config import SourceConfig
+    from dspark.extract.data.sources import load_source, select
+    from dspark.extract.data.tokenize import ChatTokenizer
 
     source = SourceConfig(
         source="sharegpt",

@@ -32,10 +32,10 @@ import psutil
 
 from bench import write_figures
 from bench.bench_extract import extraction, sharegpt_rows, stage_config
-from extract.client import Row, default_staging_root
-from extract.pipeline import load_verifier
-from extract.server import VLLMServer, cpu_preload
-from extract.servers import server_args
+from dspark.extract.client import Row, default_staging_root
+from dspark.extract.pipeline import load_verifier
+from dspark.extract.server import VLLMServer, cpu_preload
+from dspark.extract.servers import server_args
 
 N_SAMPLES = 24
 MAX_PROMPT_TOKENS = 512

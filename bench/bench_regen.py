@@ -32,14 +32,14 @@ import numpy as np
 
 from bench import write_figures
 from dspark.config import TargetConfig, load_section
+from dspark.extract.config import ServerConfig
+from dspark.extract.data.config import RegenConfig, SourceConfig
+from dspark.extract.data.regenerate import ChatSettings, Journal, regenerate
+from dspark.extract.data.sources import load_source, select
+from dspark.extract.data.tokenize import ChatTokenizer
+from dspark.extract.server import VLLMServer, vllm_env
+from dspark.extract.servers import served_model
 from dspark.targets import resolve_target
-from extract.config import ServerConfig
-from extract.data.config import RegenConfig, SourceConfig
-from extract.data.regenerate import ChatSettings, Journal, regenerate
-from extract.data.sources import load_source, select
-from extract.data.tokenize import ChatTokenizer
-from extract.server import VLLMServer, vllm_env
-from extract.servers import served_model
 
 ROUNDS = 3
 CONF = Path(__file__).resolve().parents[1] / "conf"

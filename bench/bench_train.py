@@ -78,7 +78,7 @@ def write_random_store(url: Path, verifier_dir: Path, samples: int) -> None:
 def data_wait(verifier_dir: Path, work: Path, workers: int) -> dict:
     from hydra import compose, initialize_config_dir
 
-    from train.__main__ import run
+    from dspark.train.__main__ import run
 
     run_dir = work / f"run-{workers}"
     overrides = [

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import torch
 
 from bench import qwen_tokenizer_dir, write_figures
-from train.optim import make_optimizer
+from dspark.train.optim import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 # The GPU check (bench/gpu_check.py) runs this module with cuda, bfloat16 (autocast) and flex.
@@ -198,10 +198,10 @@ def build(shape: Shape, work: Path):
     from dspark.config import DraftConfig, LossConfig
     from dspark.export import export_drafter
     from dspark.model import DSparkDraft
+    from dspark.train.data import collate
+    from dspark.train.dspark_trainer import DSparkTrainer
     from dspark.verifier import VerifierHead
     from dspark.workspace import Workspace
-    from train.data import collate
-    from train.dspark_trainer import DSparkTrainer
 
     verifier_dir = make_verifier(shape, work / "verifier")
     verifier = VerifierHead.from_pretrained(verifier_dir)

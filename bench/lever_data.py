@@ -261,7 +261,7 @@ def run_extraction(overrides: list[str]) -> dict:
     """`python -m extract` in this process, on the composed config; its summary."""
     from hydra import compose, initialize_config_dir
 
-    from extract.__main__ import run
+    from dspark.extract.__main__ import run
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("extract", overrides=overrides)

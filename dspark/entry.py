@@ -26,7 +26,9 @@ from omegaconf import DictConfig
 
 from dspark.errors import UserError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# conf/ beside the package in a checkout; inside it (dspark/conf) in an installed wheel
+_PACKAGE = Path(__file__).resolve().parent
+CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf").is_dir() else _PACKAGE.parent / "conf"
 EXIT_USER_ERROR = 2
 # a write refused for lack of room: no space, over quota, over the process's file-size limit
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

@@ -30,7 +30,6 @@ from dspark.errors import UserError
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VLLM_CHECK_TIMEOUT_S = 600
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -140,14 +139,13 @@ def vllm_problems(
 
     `verifier`: the model served with them; by default the one each config names.
     """
-    cmd = [sys.executable, "-m", "extract.vllm_check", *map(str, drafters)]
+    cmd = [sys.executable, "-m", "dspark.extract.vllm_check", *map(str, drafters)]
     if num_speculative_tokens is not None:
         cmd += ["--num-speculative-tokens", str(num_speculative_tokens)]
     if verifier is not None:
         cmd += ["--verifier", verifier]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
         "HF_HUB_OFFLINE": "1",  # the verifier's config from this machine only; unreadable means unchecked
         "VLLM_LOGGING_LEVEL": "ERROR",
         "OMP_NUM_THREADS": "1",

@@ -9,11 +9,11 @@ from omegaconf import DictConfig
 from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
-from eval.card import benchmark_names
-from eval.config import EvalConfig
-from eval.decode import headline as decode_headline
-from eval.evaluate import evaluate_drafter
-from extract.config import ServerConfig
+from dspark.eval.card import benchmark_names
+from dspark.eval.config import EvalConfig
+from dspark.eval.decode import headline as decode_headline
+from dspark.eval.evaluate import evaluate_drafter
+from dspark.extract.config import ServerConfig
 
 
 def stage_configs(cfg: DictConfig) -> tuple[TargetConfig, EvalConfig, HeldoutConfig, ServerConfig]:

@@ -19,11 +19,19 @@ from omegaconf import DictConfig
 from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
+from dspark.eval.config import EvalConfig
+from dspark.eval.decode_runs import (
+    DecodeRun,
+    block_starts,
+    decode_runs,
+    load_engine,
+    offline_tau,
+    prompt_sets,
+    score_answers,
+)
+from dspark.eval.offline import BlockTable, acceptance_summary, pick_device
+from dspark.eval.report import REPORT_FILE, _save, plt, read_report, write_report
 from dspark.metrics import expected_length
-from eval.config import EvalConfig
-from eval.decode_runs import DecodeRun, block_starts, decode_runs, load_engine, offline_tau, prompt_sets, score_answers
-from eval.offline import BlockTable, acceptance_summary, pick_device
-from eval.report import REPORT_FILE, _save, plt, read_report, write_report
 
 DECODE_FILE = "decode.json"
 OUTPUTS_FILE = "decode_outputs.jsonl"

@@ -15,14 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from dspark.config import HeldoutConfig, TargetConfig
 from dspark.errors import UserError
+from dspark.eval.config import EvalConfig
+from dspark.eval.offline import pick_device, score_samples
+from dspark.eval.online import load_prompt_rows
+from dspark.eval.speculative import CostModel, DecodeOutput, DraftContext, SpeculativeDecoder, Verifier
 from dspark.export import load_drafter
 from dspark.servable import check_servable
 from dspark.targets import resolve_target
 from dspark.verifier import VerifierHead
-from eval.config import EvalConfig
-from eval.offline import pick_device, score_samples
-from eval.online import load_prompt_rows
-from eval.speculative import CostModel, DecodeOutput, DraftContext, SpeculativeDecoder, Verifier
 
 
 @dataclass

@@ -11,16 +11,11 @@ import numpy as np
 import torch
 
 from dspark.config import HeldoutConfig, TargetConfig
-from dspark.export import load_drafter
-from dspark.model import DSparkDraft
-from dspark.store import ShardStore
-from dspark.targets import check_store_name, dataset_target, resolve_target
-from dspark.verifier import VerifierHead
-from eval import calibration as cal
-from eval.card import write_card
-from eval.config import CalibrationConfig, EvalConfig
-from eval.decode import run_decode
-from eval.offline import (
+from dspark.eval import calibration as cal
+from dspark.eval.card import write_card
+from dspark.eval.config import CalibrationConfig, EvalConfig
+from dspark.eval.decode import run_decode
+from dspark.eval.offline import (
     BlockTable,
     check_compatible,
     evaluate_store,
@@ -29,10 +24,15 @@ from eval.offline import (
     read_sources,
     summarize,
 )
-from eval.online import load_prompts, run_online
-from eval.report import read_report, write_plots, write_report
-from eval.run_info import data_info, drafter_info, training_info
-from extract.config import ServerConfig
+from dspark.eval.online import load_prompts, run_online
+from dspark.eval.report import read_report, write_plots, write_report
+from dspark.eval.run_info import data_info, drafter_info, training_info
+from dspark.export import load_drafter
+from dspark.extract.config import ServerConfig
+from dspark.model import DSparkDraft
+from dspark.store import ShardStore
+from dspark.targets import check_store_name, dataset_target, resolve_target
+from dspark.verifier import VerifierHead
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_LABEL = "analytic prefix acceptance Π_{j≤k} α_j (no Bernoulli sampling)"

@@ -31,11 +31,11 @@ from tqdm import tqdm
 from dspark.anchors import anchor_candidates, sample_anchors, slot_targets
 from dspark.config import HeldoutConfig
 from dspark.errors import MissingInput, UserError
+from dspark.eval.config import OfflineConfig
 from dspark.metrics import AcceptanceStats, acceptance
 from dspark.model import DSparkDraft
 from dspark.store import SampleRef, ShardStore, bits_to_tensor
 from dspark.verifier import VerifierHead
-from eval.config import OfflineConfig
 
 
 @dataclass

@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from eval.config import OnlineConfig
-from extract.config import ServerConfig
-from extract.server import ServerError, VLLMServer
+from dspark.eval.config import OnlineConfig
+from dspark.extract.config import ServerConfig
+from dspark.extract.server import ServerError, VLLMServer
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "num_drafts",

@@ -26,16 +26,16 @@ from safetensors.torch import load_file, save_file
 
 from dspark.config import load_section
 from dspark.entry import stage_main
+from dspark.eval.__main__ import stage_configs
+from dspark.eval.config import PruneConfig
+from dspark.eval.evaluate import load_checked
+from dspark.eval.offline import acceptance_summary, evaluate_store, pick_device
+from dspark.eval.report import write_report
 from dspark.export import CONFIG_FILE, META_FILE, WEIGHTS_FILE
 from dspark.store import ShardStore
 from dspark.targets import resolve_target_dir
 from dspark.verifier import VerifierHead
 from dspark.vocab import build_mapping, count_tokens
-from eval.__main__ import stage_configs
-from eval.config import PruneConfig
-from eval.evaluate import load_checked
-from eval.offline import acceptance_summary, evaluate_store, pick_device
-from eval.report import write_report
 
 LM_HEAD = "lm_head.weight"
 MARKOV_W2 = "markov_head.markov_w2.weight"

@@ -19,10 +19,10 @@ from omegaconf import DictConfig
 from dspark.config import Checked, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
+from dspark.extract.config import ServerConfig
+from dspark.extract.server import VLLMServer
 from dspark.servable import check_servable, read_config
 from dspark.targets import dataset_target, resolve_target
-from extract.config import ServerConfig
-from extract.server import VLLMServer
 
 
 @dataclass

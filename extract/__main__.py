@@ -6,10 +6,10 @@ from omegaconf import DictConfig
 
 from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
-from extract.config import ExtractConfig, ServerConfig
-from extract.pipeline import run_extraction
-from extract.plan import before_extraction
-from extract.scale import scale_config
+from dspark.extract.config import ExtractConfig, ServerConfig
+from dspark.extract.pipeline import run_extraction
+from dspark.extract.plan import before_extraction
+from dspark.extract.scale import scale_config
 
 
 def run(cfg: DictConfig) -> dict:

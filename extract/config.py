@@ -50,7 +50,7 @@ class ExtractConfig(Checked):
     server_url: str | None
     """An already running server in extraction mode (same layer ids!); null = start `gpus` servers."""
     connector: str
-    """`auto` (stock on CUDA, cpu otherwise), `cpu` (extract.connector) or `stock` (vLLM's CUDA connector)."""
+    """`auto` (stock on CUDA, cpu otherwise), `cpu` (dspark.extract.connector) or `stock` (vLLM's CUDA connector)."""
     staging_dir: str | None
     """Directory the server writes per-request files to; null = /dev/shm when present, else the temp dir."""
     concurrency: int

@@ -7,7 +7,7 @@ request. This subclass keeps everything else (file naming, the `.lock` protocol,
 scheduler side) and replaces only the copy: the states are already in host memory, so
 it writes the file synchronously and reports the request as finished once it is on disk.
 
-Loaded by vLLM through `kv_connector_module_path="extract.connector"`; only the engine
+Loaded by vLLM through `kv_connector_module_path="dspark.extract.connector"`; only the engine
 process imports it.
 """
 

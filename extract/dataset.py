@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import UserError
-from extract.client import Row
+from dspark.extract.client import Row
 
 SUMMARY = "summary.json"
 # Too-long samples listed in the error message (the total is always given).

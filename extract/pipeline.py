@@ -32,19 +32,19 @@ from tqdm import tqdm
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
-from dspark.store import ShardStore, StoreWriter
-from dspark.targets import Target, dataset_target, resolve_target
-from extract.client import (
+from dspark.extract.client import (
     HiddenStatesClient,
     Row,
     ServerFailure,
     ShardWriter,
     extract_rows,
 )
-from extract.config import STORE_DTYPES, ExtractConfig, ServerConfig
-from extract.dataset import Split, check_tokenizer, read_split
-from extract.scale import ScaleConfig
-from extract.servers import External, ManagedServers, ServerSlot, check_served_model, served_model
+from dspark.extract.config import STORE_DTYPES, ExtractConfig, ServerConfig
+from dspark.extract.dataset import Split, check_tokenizer, read_split
+from dspark.extract.scale import ScaleConfig
+from dspark.extract.servers import External, ManagedServers, ServerSlot, check_served_model, served_model
+from dspark.store import ShardStore, StoreWriter
+from dspark.targets import Target, dataset_target, resolve_target
 
 SUMMARY = "extract-summary.json"
 MANAGED, EXTERNAL = "managed", "external, unverified"

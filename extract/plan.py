@@ -38,12 +38,12 @@ from omegaconf import DictConfig
 from dspark.config import Checked, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
+from dspark.extract.client import Row
+from dspark.extract.config import STORE_DTYPES, ExtractConfig
+from dspark.extract.dataset import check_tokenizer, read_split
+from dspark.extract.scale import ScaleConfig, scale_config
 from dspark.store import BF16, Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import Target, dataset_target, resolve_target
-from extract.client import Row
-from extract.config import STORE_DTYPES, ExtractConfig
-from extract.dataset import check_tokenizer, read_split
-from extract.scale import ScaleConfig, scale_config
 
 TOKEN_ARRAYS = ("hidden", "hidden_scale", "token_ids", "loss_mask")
 """Arrays whose bytes grow with the tokens; the rest of a shard is a fixed cost per shard."""

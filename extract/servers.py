@@ -17,13 +17,13 @@ from tqdm import tqdm
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
+from dspark.extract.client import ServerFailure, check_private_dir, default_staging_root, expect, private_staging_dir
+from dspark.extract.config import ExtractConfig, ServerConfig
+from dspark.extract.scale import ScaleConfig, server_envs, tp_args
+from dspark.extract.server import ServerError, VLLMServer, log_tail
 from dspark.targets import Target
-from extract.client import ServerFailure, check_private_dir, default_staging_root, expect, private_staging_dir
-from extract.config import ExtractConfig, ServerConfig
-from extract.scale import ScaleConfig, server_envs, tp_args
-from extract.server import ServerError, VLLMServer, log_tail
 
-CPU_CONNECTOR = ("CPUHiddenStatesConnector", "extract.connector")
+CPU_CONNECTOR = ("CPUHiddenStatesConnector", "dspark.extract.connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 # In run_dir: the private staging dir of the last run, removed by the next one (a killed run leaves it).
 STAGING_RECORD = ".staging-dir"

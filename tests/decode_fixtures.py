@@ -9,10 +9,10 @@ from drafts import draft_config
 from transformers import Qwen3ForCausalLM
 
 from bench.tiny_models import tiny_qwen3_config
+from dspark.eval.speculative import SpeculativeDecoder, Verifier
 from dspark.export import export_drafter, load_drafter
 from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
-from eval.speculative import SpeculativeDecoder, Verifier
 
 AUX_LAYER_IDS = [1, 2]
 

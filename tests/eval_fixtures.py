@@ -20,13 +20,13 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dspark.config import HeldoutConfig, TargetConfig
+from dspark.eval.__main__ import stage_configs
+from dspark.eval.config import EvalConfig
 from dspark.export import export_drafter
 from dspark.model import DSparkDraft
 from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
 from dspark.verifier import VerifierHead
-from eval.__main__ import stage_configs
-from eval.config import EvalConfig
 
 VOCAB = 2048
 MASK_TOKEN_ID = VOCAB - 1

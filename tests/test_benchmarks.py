@@ -12,14 +12,14 @@ from eval_fixtures import CONF_DIR, build_setup, compose_cfg, configs, make_samp
 from hydra import compose, initialize_config_dir
 
 from dspark.config import load_section
-from eval.__main__ import headline, run
-from eval.card import CARD_FILE, fmt
-from eval.evaluate import load_checked
-from eval.offline import evaluate_blocks, held_out_refs, pick_device
-from eval.online import load_prompts
-from extract.data.config import SourceConfig
-from extract.data.mix import ID_STRIDE, load_and_select
-from extract.data.sources import load_source
+from dspark.eval.__main__ import headline, run
+from dspark.eval.card import CARD_FILE, fmt
+from dspark.eval.evaluate import load_checked
+from dspark.eval.offline import evaluate_blocks, held_out_refs, pick_device
+from dspark.eval.online import load_prompts
+from dspark.extract.data.config import SourceConfig
+from dspark.extract.data.mix import ID_STRIDE, load_and_select
+from dspark.extract.data.sources import load_source
 
 BENCHMARKS = ("mtbench", "gsm8k", "humaneval")
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from eval import calibration as cal
+from dspark.eval import calibration as cal
 
 
 def naive_ece(pred, label, n_bins):

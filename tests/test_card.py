@@ -8,9 +8,9 @@ import re
 import pytest
 from eval_fixtures import build_setup, compose_cfg
 
-from eval.__main__ import run
-from eval.card import fmt, render_card
-from eval.report import read_report, write_report
+from dspark.eval.__main__ import run
+from dspark.eval.card import fmt, render_card
+from dspark.eval.report import read_report, write_report
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]\d+)?")
 

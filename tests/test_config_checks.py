@@ -13,11 +13,11 @@ from hydra import compose, initialize_config_dir
 
 from dspark.config import DraftConfig, HeldoutConfig, LossConfig, TargetConfig, load_section
 from dspark.errors import UserError
-from eval.config import EvalConfig, PruneConfig
-from eval.serve import ServeConfig
-from extract.config import ExtractConfig, ServerConfig
-from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
-from train.config import TrainConfig
+from dspark.eval.config import EvalConfig, PruneConfig
+from dspark.eval.serve import ServeConfig
+from dspark.extract.config import ExtractConfig, ServerConfig
+from dspark.extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
+from dspark.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # Every section each stage's config holds, as the stage loads it.

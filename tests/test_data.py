@@ -23,13 +23,13 @@ from conftest import make_tiny_qwen3
 from hydra import compose, initialize_config_dir
 
 from dspark.errors import UserError
-from extract.data.__main__ import run
-from extract.data.config import SourceConfig
-from extract.data.pipeline import _cut_turns
-from extract.data.regenerate import Journal, pending, prompt_sha
-from extract.data.sources import Conversation, load_source, select
-from extract.data.split import eval_fingerprints, prompt_fingerprint
-from extract.data.tokenize import ChatTokenizer, MissingChatTemplate
+from dspark.extract.data.__main__ import run
+from dspark.extract.data.config import SourceConfig
+from dspark.extract.data.pipeline import _cut_turns
+from dspark.extract.data.regenerate import Journal, pending, prompt_sha
+from dspark.extract.data.sources import Conversation, load_source, select
+from dspark.extract.data.split import eval_fingerprints, prompt_fingerprint
+from dspark.extract.data.tokenize import ChatTokenizer, MissingChatTemplate
 
 REPO = Path(__file__).resolve().parents[1]
 IM_END = "<|im_end|>"
@@ -387,7 +387,7 @@ def servable_qwen3_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_url(servable_qwen3_dir, tmp_path_factory):
-    from extract.server import VLLMServer
+    from dspark.extract.server import VLLMServer
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     # --enforce-eager: torch.compile warm-up costs minutes on 2 busy cores and buys nothing here.

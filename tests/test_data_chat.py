@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import qwen_tokenizer_files
 
-from extract.data.tokenize import ChatTokenizer
+from dspark.extract.data.tokenize import ChatTokenizer
 
 HEADER, END, EMPTY_THINK = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n\n</think>\n\n"
 WEATHER = [

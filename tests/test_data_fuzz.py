@@ -22,9 +22,9 @@ import pytest
 from test_data import read_rows, stage_config
 
 from dspark.errors import UserError
-from extract.data.__main__ import run
-from extract.data.config import SourceConfig
-from extract.data.sources import load_source
+from dspark.extract.data.__main__ import run
+from dspark.extract.data.config import SourceConfig
+from dspark.extract.data.sources import load_source
 
 SEED = 20261201
 WRONG_TYPES = [0, -7, 2.5, True, None, [], {}, "text", [1, "a"], {"k": "v"}]

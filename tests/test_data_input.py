@@ -16,10 +16,10 @@ import pytest
 from test_data import REPO, read_rows, stage_config
 
 from dspark.errors import UserError
-from extract.data.__main__ import run
-from extract.data.config import SourceConfig
-from extract.data.sources import load_source
-from extract.dataset import DatasetError, check_tokenizer, read_split
+from dspark.extract.data.__main__ import run
+from dspark.extract.data.config import SourceConfig
+from dspark.extract.data.sources import load_source
+from dspark.extract.dataset import DatasetError, check_tokenizer, read_split
 
 CORPUS = Path(__file__).parent / "data" / "bad_rows.jsonl"
 # line -> why it is unusable; every other non-blank line is a good row

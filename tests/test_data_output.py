@@ -13,18 +13,18 @@ from pathlib import Path
 
 from test_data import REPO, read_rows, sharegpt, stage_config, write_lines
 
-from extract.data.__main__ import run
-from extract.data.config import MixPart
-from extract.data.mix import ID_STRIDE, _quotas
-from extract.data.output import FILES
-from extract.data.split import prompt_fingerprint
+from dspark.extract.data.__main__ import run
+from dspark.extract.data.config import MixPart
+from dspark.extract.data.mix import ID_STRIDE, _quotas
+from dspark.extract.data.output import FILES
+from dspark.extract.data.split import prompt_fingerprint
 
 # Runs the stage, SIGKILLing itself when the new generation's summary.json is about to be
 # written (train.jsonl, eval.jsonl and token_freqs.npy of the new set are already on disk).
 KILL_AT_SUMMARY = """
 import os, signal, sys
-import extract.data.output as output
-from extract.data.__main__ import main
+import dspark.extract.data.output as output
+from dspark.extract.data.__main__ import main
 real = output.write_file
 def write_file(path, chunks):
     if path.name == "summary.json":

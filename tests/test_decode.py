@@ -11,8 +11,8 @@ import torch
 from decode_fixtures import decoder_for, export_small_drafter, make_small_verifier
 from transformers import AutoModelForCausalLM
 
-from eval.decode_runs import hf_generate
-from eval.speculative import CostModel
+from dspark.eval.decode_runs import hf_generate
+from dspark.eval.speculative import CostModel
 
 PROMPTS = [[1, 5, 2], [3, 3, 0, 6, 1, 2, 7], [4], [7, 7, 1], [2, 0, 4, 4, 1], [6, 5]]
 

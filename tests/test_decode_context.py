@@ -8,7 +8,7 @@ import torch
 from decode_fixtures import AUX_LAYER_IDS, make_small_verifier, small_draft
 from transformers import Qwen3ForCausalLM
 
-from eval.speculative import DraftContext, SpeculativeDecoder, Verifier
+from dspark.eval.speculative import DraftContext, SpeculativeDecoder, Verifier
 
 
 @pytest.mark.parametrize(

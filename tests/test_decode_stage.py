@@ -12,10 +12,10 @@ from transformers import Qwen3ForCausalLM
 
 from dspark.config import load_section
 from dspark.errors import UserError
-from eval.config import DecodeConfig
-from eval.decode_runs import block_starts, check_lossless, hf_generate
-from eval.evaluate import evaluate_drafter
-from extract.config import ServerConfig
+from dspark.eval.config import DecodeConfig
+from dspark.eval.decode_runs import block_starts, check_lossless, hf_generate
+from dspark.eval.evaluate import evaluate_drafter
+from dspark.extract.config import ServerConfig
 
 MAX_NEW = 12
 

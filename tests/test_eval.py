@@ -18,10 +18,9 @@ from eval_fixtures import (
 )
 
 from dspark.errors import UserError
-from dspark.store import StoreWriter, bits_to_tensor
-from eval.__main__ import headline, run
-from eval.evaluate import calibration_section, load_checked, split_samples
-from eval.offline import (
+from dspark.eval.__main__ import headline, run
+from dspark.eval.evaluate import calibration_section, load_checked, split_samples
+from dspark.eval.offline import (
     acceptance_summary,
     bucket_labels,
     evaluate_blocks,
@@ -29,6 +28,7 @@ from eval.offline import (
     open_heldout_store,
     summarize,
 )
+from dspark.store import StoreWriter, bits_to_tensor
 
 
 @pytest.fixture(scope="module")

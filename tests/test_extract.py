@@ -27,14 +27,14 @@ from hydra import compose, initialize_config_dir
 from test_server import group_alive
 
 from dspark.config import load_section
+from dspark.extract.__main__ import run as run_stage
+from dspark.extract.config import ExtractConfig
+from dspark.extract.dataset import DatasetError
+from dspark.extract.scale import server_envs
+from dspark.extract.server import VLLMServer, free_port
+from dspark.extract.servers import kv_transfer_config, resolve_connector, server_args
 from dspark.store import ShardStore, StoreMismatchError, bits_to_tensor
 from dspark.targets import resolve_target_dir, tokenizer_sha256
-from extract.__main__ import run as run_stage
-from extract.config import ExtractConfig
-from extract.dataset import DatasetError
-from extract.scale import server_envs
-from extract.server import VLLMServer, free_port
-from extract.servers import kv_transfer_config, resolve_connector, server_args
 
 pytestmark = pytest.mark.vllm
 
@@ -440,7 +440,7 @@ def test_changed_dataset_is_refused_by_an_existing_store(reference, tmp_path, ti
 def test_connector_and_server_environment_choices():
     assert resolve_connector("auto", cuda=True) == "stock"
     assert resolve_connector("auto", cuda=False) == "cpu"
-    assert kv_transfer_config("cpu", Path("/s"))["kv_connector_module_path"] == "extract.connector"
+    assert kv_transfer_config("cpu", Path("/s"))["kv_connector_module_path"] == "dspark.extract.connector"
     assert "kv_connector_module_path" not in kv_transfer_config("stock", Path("/s"))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         bad = compose(config_name="extract", overrides=["extract.connector=gpu"])

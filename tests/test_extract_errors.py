@@ -18,13 +18,13 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
 from dspark.errors import UserError
+from dspark.extract.__main__ import run as run_stage
+from dspark.extract.client import UnexpectedAnswer
+from dspark.extract.data.__main__ import run as run_data_stage
+from dspark.extract.data.regenerate import RegenerationError
+from dspark.extract.dataset import DatasetError, read_split
+from dspark.extract.server import free_port
 from dspark.targets import tokenizer_sha256
-from extract.__main__ import run as run_stage
-from extract.client import UnexpectedAnswer
-from extract.data.__main__ import run as run_data_stage
-from extract.data.regenerate import RegenerationError
-from extract.dataset import DatasetError, read_split
-from extract.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

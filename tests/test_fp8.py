@@ -126,7 +126,7 @@ def test_fp8_store_round_trip_layout_and_verify(tmp_path):
 def test_trainer_reads_an_fp8_store(tmp_path):
     from test_train import compose_cfg, overrides, rows
 
-    from train.__main__ import run
+    from dspark.train.__main__ import run
 
     verifier = make_bigram_verifier(tmp_path / "verifier")
     samples = make_samples(verifier, 12, seed=0, min_len=32, max_len=32)

@@ -187,7 +187,7 @@ vllm:generation_tokens_total{engine="0",model_name="smollm2"} 450.0
 
 def test_served_decode_and_offline_side_by_side(tmp_path):
     """vLLM's served acceptance length from its Prometheus counters, eval.decode's and the offline τ in one table."""
-    from eval.online import ServerCounters, parse_metrics, spec_decode_summary
+    from dspark.eval.online import ServerCounters, parse_metrics, spec_decode_summary
 
     served = spec_decode_summary(parse_metrics(VLLM_METRICS) - ServerCounters())
     assert served["acceptance_length"] == 1 + 250 / 200

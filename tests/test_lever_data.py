@@ -26,10 +26,10 @@ from bench.ablate_record import REPO, store_fingerprint
 from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import load_config
 from dspark.errors import UserError
+from dspark.extract.data.__main__ import run as make_data
+from dspark.extract.dataset import check_tokenizer, read_split
 from dspark.store import StoreWriter
 from dspark.targets import tokenizer_sha256
-from extract.data.__main__ import run as make_data
-from extract.dataset import check_tokenizer, read_split
 
 
 def target_overrides(model_dir: Path) -> list[str]:

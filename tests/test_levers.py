@@ -23,9 +23,9 @@ from dspark.errors import UserError
 from dspark.export import export_drafter, load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
+from dspark.train.config import TrainConfig
+from dspark.train.optim import make_optimizer
 from dspark.verifier import VerifierHead
-from train.config import TrainConfig
-from train.optim import make_optimizer
 
 BLOCK = 4
 REPO = Path(__file__).resolve().parents[1]
@@ -229,8 +229,8 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
     """loss.train_on_prompt: training anchors and scored slots may lie on a sample's prompt
     (loss_mask 0) but never on padding (held-out anchors are eval.offline's, on the replies)."""
     from dspark.store import Sample
-    from train.data import collate
-    from train.dspark_trainer import DSparkTrainer
+    from dspark.train.data import collate
+    from dspark.train.dspark_trainer import DSparkTrainer
 
     def sample(sample_id: int, n: int) -> Sample:
         mask = np.zeros(n, np.uint8)

@@ -25,7 +25,7 @@ from train_stores import (
     write_token_freqs,
 )
 
-from extract.server import free_port
+from dspark.extract.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240

@@ -9,10 +9,10 @@ from conftest import make_tiny_qwen3
 from eval_fixtures import CONF_DIR, export_tiny_drafter
 from hydra import compose, initialize_config_dir
 
-from eval.__main__ import run
-from eval.card import fmt
-from eval.config import OnlineConfig
-from eval.online import (
+from dspark.eval.__main__ import run
+from dspark.eval.card import fmt
+from dspark.eval.config import OnlineConfig
+from dspark.eval.online import (
     DSPARK_NEEDS_CUDA,
     load_prompts,
     parse_metrics,
@@ -20,8 +20,8 @@ from eval.online import (
     run_online,
     spec_decode_summary,
 )
-from extract.config import ServerConfig
-from extract.server import ServerError
+from dspark.extract.config import ServerConfig
+from dspark.extract.server import ServerError
 
 # As vLLM 0.32 exposes them (two engines, to check the sum over engines).
 METRICS_TEXT = """\

@@ -17,11 +17,11 @@ from hydra import compose, initialize_config_dir
 
 from bench.bench_store import mtbench_prompts
 from dspark.errors import UserError
+from dspark.extract.client import Row, ShardWriter
+from dspark.extract.config import STORE_DTYPES
+from dspark.extract.plan import _inputs, before_extraction, hf_states, make_plan, shard_count
 from dspark.store import ShardStore, StoreWriter
 from dspark.targets import resolve_target_dir, tokenizer_sha256
-from extract.client import Row, ShardWriter
-from extract.config import STORE_DTYPES
-from extract.plan import _inputs, before_extraction, hf_states, make_plan, shard_count
 
 REPO = Path(__file__).resolve().parents[1]
 

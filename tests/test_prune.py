@@ -9,10 +9,10 @@ import pytest
 import torch
 from eval_fixtures import VOCAB, build_setup, compose_cfg, export_tiny_drafter, make_samples
 
+from dspark.eval.prune import PRUNE_REPORT, kept_token_ids, load_counts, prune_drafter, run
 from dspark.export import load_drafter
 from dspark.verifier import VerifierHead
 from dspark.vocab import count_tokens
-from eval.prune import PRUNE_REPORT, kept_token_ids, load_counts, prune_drafter, run
 
 
 @pytest.fixture(scope="module")

@@ -38,11 +38,11 @@ from test_extract import (
 )
 
 from dspark.errors import UserError
+from dspark.extract.data.tokenize import ChatTokenizer
+from dspark.extract.scale import ScaleConfig, cpu_binds, cuda_devices, server_envs, tp_args
+from dspark.extract.server import VLLMServer
+from dspark.extract.servers import deterministic_args, server_args
 from dspark.store import ShardStore
-from extract.data.tokenize import ChatTokenizer
-from extract.scale import ScaleConfig, cpu_binds, cuda_devices, server_envs, tp_args
-from extract.server import VLLMServer
-from extract.servers import deterministic_args, server_args
 
 REPO = Path(__file__).resolve().parents[1]
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two servers or TP ranks need two cores")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.errors import UserError
-from eval.serve import ServeConfig, speculative_config
+from dspark.eval.serve import ServeConfig, speculative_config
 
 
 def _cfg(**kw) -> ServeConfig:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_qwen3
 
-from extract.server import ServerError, VLLMServer, log_tail
+from dspark.extract.server import ServerError, VLLMServer, log_tail
 
 pytestmark = pytest.mark.vllm
 
@@ -81,7 +81,7 @@ def _script(tiny_dir: Path, run_dir: Path) -> str:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
-        from extract.server import VLLMServer
+        from dspark.extract.server import VLLMServer
         import time
         with VLLMServer({str(tiny_dir)!r}, Path({str(run_dir)!r}), env={SERVER_ENV!r}, stop_timeout_s=3):
             time.sleep(600)  # the signal lands while starting or while serving: both must stop it

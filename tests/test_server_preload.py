@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from extract import server as server_mod
-from extract.server import CPU_PRELOAD, VLLMServer, cpu_preload
+from dspark.extract import server as server_mod
+from dspark.extract.server import CPU_PRELOAD, VLLMServer, cpu_preload
 
 
 @pytest.fixture

@@ -166,7 +166,7 @@ def test_shard_writer_commits_in_the_background_in_order_and_raises_a_failed_com
     import asyncio
     import threading
 
-    from extract.client import ShardWriter
+    from dspark.extract.client import ShardWriter
 
     store = new_store(tmp_path / "s")
     release, started, committed = threading.Event(), threading.Event(), []

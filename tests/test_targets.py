@@ -22,6 +22,8 @@ from hydra import compose, initialize_config_dir
 
 from dspark.config import TargetConfig, load_section
 from dspark.errors import UserError
+from dspark.extract.data.__main__ import run as run_data_stage
+from dspark.extract.data.tokenize import ChatTokenizer
 from dspark.target_dirs import TOKENIZER_FILES
 from dspark.targets import (
     DERIVED_FIELDS,
@@ -31,8 +33,6 @@ from dspark.targets import (
     tokenizer_sha256,
 )
 from dspark.verifier import resolve_mask_token_id
-from extract.data.__main__ import run as run_data_stage
-from extract.data.tokenize import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -45,18 +45,18 @@ from train_stores import (
 
 from dspark.config import LossConfig, load_section
 from dspark.errors import UserError
+from dspark.eval.__main__ import stage_configs
+from dspark.eval.evaluate import offline_sections
 from dspark.export import load_drafter
 from dspark.store import ShardStore, StoreWriter
 from dspark.targets import tokenizer_sha256
+from dspark.train.__main__ import run
+from dspark.train.build import check_devices
+from dspark.train.checkpoint import trainable_state
+from dspark.train.config import TrainConfig
+from dspark.train.data import StoreSplit, windows_of
+from dspark.train.sampler import StepPlanner, share_of_rank
 from dspark.vocab import build_mapping, save_mapping
-from eval.__main__ import stage_configs
-from eval.evaluate import offline_sections
-from train.__main__ import run
-from train.build import check_devices
-from train.checkpoint import trainable_state
-from train.config import TrainConfig
-from train.data import StoreSplit, windows_of
-from train.sampler import StepPlanner, share_of_rank
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -40,14 +40,14 @@ from dspark.errors import UserError
 from dspark.export import export_drafter
 from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
-from train.__main__ import run
-from train.build import build_trainer, make_accelerator
-from train.checkpoint import CONFIG_FILE, WEIGHTS_FILE
-from train.config import TrainConfig
-from train.data import StoreSplit
-from train.dspark_trainer import DSparkTrainer
-from train.resume import resume_point
-from train.sampler import StepPlanner, share_of_rank
+from dspark.train.__main__ import run
+from dspark.train.build import build_trainer, make_accelerator
+from dspark.train.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from dspark.train.config import TrainConfig
+from dspark.train.data import StoreSplit
+from dspark.train.dspark_trainer import DSparkTrainer
+from dspark.train.resume import resume_point
+from dspark.train.sampler import StepPlanner, share_of_rank
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from dspark.config import load_section
 from dspark.entry import stage_main
 from dspark.lifetime import die_with_parent
-from train.build import build_trainer, check_devices, make_accelerator
-from train.config import TrainConfig
+from dspark.train.build import build_trainer, check_devices, make_accelerator
+from dspark.train.config import TrainConfig
 
 
 def run(cfg: DictConfig) -> dict[str, float]:

@@ -18,25 +18,25 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark.config import DraftConfig, HeldoutConfig, LossConfig, TargetConfig, load_section
 from dspark.errors import MissingInput, UserError
+from dspark.eval.offline import held_out_refs
 from dspark.export import load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.store import SampleRef, ShardStore
 from dspark.targets import EMBEDDED_PREFIX, Target, dataset_target, resolve_target
-from dspark.verifier import VerifierHead
-from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
-from eval.offline import held_out_refs
-from train.checkpoint import (
+from dspark.train.checkpoint import (
     CONFIG_FILE,
     load_trainable_state,
     read_weights,
     resolve_checkpoint,
     trainable_state,
 )
-from train.config import TrainConfig
-from train.data import StoreSplit
-from train.dspark_trainer import DSparkTrainer
-from train.resume import clear_run, identity_changes, resume_point
+from dspark.train.config import TrainConfig
+from dspark.train.data import StoreSplit
+from dspark.train.dspark_trainer import DSparkTrainer
+from dspark.train.resume import clear_run, identity_changes, resume_point
+from dspark.verifier import VerifierHead
+from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
 
 
 def check_devices(processes_per_node: int, cuda_devices: int) -> None:

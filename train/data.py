@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dspark.store import Sample, SampleRef, ShardStore, bits_to_tensor
-from train.sampler import MicroBatch
+from dspark.train.sampler import MicroBatch
 
 Batch = dict[str, torch.Tensor]
 """One padded micro-batch (see `collate`), extended by the algorithm's `prepare`."""

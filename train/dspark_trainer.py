@@ -8,16 +8,16 @@ from torch import nn
 
 from dspark.anchors import slot_targets, train_anchors
 from dspark.config import HeldoutConfig, LossConfig
+from dspark.eval.offline import heldout_samples, score_samples
 from dspark.export import export_drafter
 from dspark.losses import LossInputs, LossOutput, dspark_loss, term_names, weight_sum
 from dspark.metrics import AcceptanceStats
 from dspark.model import DSparkDraft
 from dspark.store import SampleRef
+from dspark.train.data import Batch
+from dspark.train.trainer import Trainer
 from dspark.verifier import VerifierHead
 from dspark.workspace import Workspace
-from eval.offline import heldout_samples, score_samples
-from train.data import Batch
-from train.trainer import Trainer
 
 
 def anchor_seed(seed: int, epoch: int, sample_id: int, window_start: int = 0) -> int:

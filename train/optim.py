@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.errors import UserError
-from train.config import TrainConfig
+from dspark.train.config import TrainConfig
 
 
 def covers(prefix: str, name: str) -> bool:

@@ -20,9 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark.config import RESUME_KINDS, Checked, DraftConfig, HeldoutConfig, LossConfig, TargetConfig, resume_kinds
 from dspark.errors import UserError
-from train.checkpoint import CONFIG_FILE, checkpoints_root, latest_checkpoint, step_dirs
-from train.config import TrainConfig
-from train.reporting import METRICS_FILE
+from dspark.train.checkpoint import CONFIG_FILE, checkpoints_root, latest_checkpoint, step_dirs
+from dspark.train.config import TrainConfig
+from dspark.train.reporting import METRICS_FILE
 
 # The sections a checkpoint's config.yaml is compared on; what a resume may do with each key
 # comes from the schema (`dspark.config.resume_kinds`).

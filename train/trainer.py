@@ -36,12 +36,12 @@ from torch import nn
 
 from dspark.errors import UserError
 from dspark.store import SampleRef, ShardStore
-from train.checkpoint import CONFIG_FILE, CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
-from train.config import TrainConfig
-from train.data import Batch, StepDataset, StoreSplit, TimedLoader
-from train.optim import load_state_by_name, make_optimizer, name_unnamed_groups, warmup_cosine
-from train.reporting import Reporter
-from train.sampler import StepPlanner, share_of_rank, share_of_samples
+from dspark.train.checkpoint import CONFIG_FILE, CheckpointWriter, load_trainable_state, read_checkpoint, restore_rng
+from dspark.train.config import TrainConfig
+from dspark.train.data import Batch, StepDataset, StoreSplit, TimedLoader
+from dspark.train.optim import load_state_by_name, make_optimizer, name_unnamed_groups, warmup_cosine
+from dspark.train.reporting import Reporter
+from dspark.train.sampler import StepPlanner, share_of_rank, share_of_samples
 
 
 @dataclass

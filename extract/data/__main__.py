@@ -8,10 +8,10 @@ from omegaconf import DictConfig
 
 from dspark.config import TargetConfig, load_section
 from dspark.entry import stage_main
-from extract.config import ServerConfig
-from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
-from extract.data.pipeline import build_dataset
-from extract.scale import scale_config
+from dspark.extract.config import ServerConfig
+from dspark.extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
+from dspark.extract.data.pipeline import build_dataset
+from dspark.extract.scale import scale_config
 
 
 def run(cfg: DictConfig) -> dict:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from dspark.config import Checked
 from dspark.errors import UserError
-from extract.data.output import SPLITS
+from dspark.extract.data.output import SPLITS
 
 TOOL_CALL_MODES = ("keep", "regenerate")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import UserError
-from extract.data.problems import RowError
+from dspark.extract.data.problems import RowError
 
 Row = tuple[int, str, Any]
 """(sample_id, where, payload): the row's JSON text as bytes, its parsed object, or the exception reading it raised."""

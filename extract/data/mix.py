@@ -17,10 +17,10 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from dspark.errors import UserError
-from extract.data.config import MixPart, SourceConfig
-from extract.data.problems import Problems
-from extract.data.sources import Conversation, SourceData, load_source, select
-from extract.data.split import prompt_fingerprint
+from dspark.extract.data.config import MixPart, SourceConfig
+from dspark.extract.data.problems import Problems
+from dspark.extract.data.sources import Conversation, SourceData, load_source, select
+from dspark.extract.data.split import prompt_fingerprint
 
 ID_STRIDE = 10**9
 

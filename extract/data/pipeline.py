@@ -21,18 +21,18 @@ from typing import Any
 
 from dspark.config import TargetConfig
 from dspark.errors import UserError
+from dspark.extract.config import ServerConfig
+from dspark.extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
+from dspark.extract.data.mix import load_and_select
+from dspark.extract.data.output import SPLITS, publish
+from dspark.extract.data.problems import Problems, RowError, row_error
+from dspark.extract.data.regenerate import ChatSettings, Journal, attempts, journaled, pending, prompt_sha, regenerate
+from dspark.extract.data.sources import Conversation
+from dspark.extract.data.split import eval_fingerprints, prompt_fingerprint
+from dspark.extract.data.tokenize import ChatTokenizer
+from dspark.extract.scale import ScaleConfig, server_envs, tp_args
+from dspark.extract.servers import check_served_model, served_model
 from dspark.targets import resolve_target
-from extract.config import ServerConfig
-from extract.data.config import RegenConfig, SourceConfig, TokenizeConfig
-from extract.data.mix import load_and_select
-from extract.data.output import SPLITS, publish
-from extract.data.problems import Problems, RowError, row_error
-from extract.data.regenerate import ChatSettings, Journal, attempts, journaled, pending, prompt_sha, regenerate
-from extract.data.sources import Conversation
-from extract.data.split import eval_fingerprints, prompt_fingerprint
-from extract.data.tokenize import ChatTokenizer
-from extract.scale import ScaleConfig, server_envs, tp_args
-from extract.servers import check_served_model, served_model
 
 
 def build_dataset(
@@ -272,7 +272,7 @@ def _servers(
         return
     import torch
 
-    from extract.server import VLLMServer
+    from dspark.extract.server import VLLMServer
 
     servers = [
         VLLMServer(

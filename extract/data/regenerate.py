@@ -36,9 +36,9 @@ import httpx
 from tqdm import tqdm
 
 from dspark.errors import UserError
-from extract.data.problems import RowError
-from extract.data.sources import Conversation, call_arguments
-from extract.data.tokenize import ChatTokenizer
+from dspark.extract.data.problems import RowError
+from dspark.extract.data.sources import Conversation, call_arguments
+from dspark.extract.data.tokenize import ChatTokenizer
 
 
 class RegenerationError(UserError):

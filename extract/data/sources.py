@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import UserError
-from extract.data.config import SourceConfig
-from extract.data.files import ROW_KEYS, Row, json_array_rows, jsonl_rows
-from extract.data.problems import Problems, RowError, row_error
+from dspark.extract.data.config import SourceConfig
+from dspark.extract.data.files import ROW_KEYS, Row, json_array_rows, jsonl_rows
+from dspark.extract.data.problems import Problems, RowError, row_error
 
 ROLE_ALIASES = {
     "user": "user",

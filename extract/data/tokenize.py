@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import UserError
-from extract.data.problems import RowError
+from dspark.extract.data.problems import RowError
 
 _PROBE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
 
