@@ -204,7 +204,7 @@ def run_in_process(overrides: list[str]) -> dict:
 
 
 def stage_command(overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "extract", *overrides]
+    return [sys.executable, "-m", "dspark.extract", *overrides]  # the installed name: it runs from tmp_path
 
 
 # -- fixtures -------------------------------------------------------------------------------
