@@ -1,4 +1,4 @@
-"""`python -m extract.vllm_check DRAFTER... [--num-speculative-tokens N] [--verifier V]`: would the installed vLLM serve these drafters?
+"""`python -m dspark.extract.vllm_check DRAFTER... [--num-speculative-tokens N] [--verifier V]`: would the installed vLLM serve these drafters?
 
 Runs vLLM's own code on CPU, nothing copied from it, each step as `vllm serve` does it:
 1. `maybe_override_with_speculators`: the speculators-config parsing that turns the drafter
@@ -149,7 +149,7 @@ def check(drafter: Path, num_speculative_tokens: int | None, verifier: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m extract.vllm_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dspark.extract.vllm_check", description=__doc__.splitlines()[0])
     parser.add_argument("drafters", nargs="+", type=Path)
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--verifier", default=None, help="the verifier served with them (default: the one each names)")

@@ -2,7 +2,7 @@
 
 Real exported drafter dirs from tiny drafts, then corrupted the way a hand edit or
 another trainer would; vLLM's side is the installed vLLM run in its subprocess
-(`python -m extract.vllm_check`), once for all the dirs.
+(`python -m dspark.extract.vllm_check`), once for all the dirs.
 """
 
 from __future__ import annotations

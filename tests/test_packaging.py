@@ -34,12 +34,10 @@ def wheel(tmp_path_factory) -> Path:
     """The project's wheel, built from a copy of its sources (a build writes egg-info beside them)."""
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
     for name in SOURCES:
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(
-            REPO / name,
-            src / name,
-            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
-        )
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, src / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True,
