@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dspark.errors import UserError
-from dspark.store import Sample, ShardStore, bf16_to_bits
+from dspark.store import Sample, ShardStore, bf16_to_bits, bits_to_tensor
 
 SHM = Path("/dev/shm")
 # How often a waiting reader retries a staged file's lock; the file lands within one
@@ -243,11 +243,14 @@ class HiddenStatesClient:
                 f"{list(expected)} (tokens, stored layers, hidden size of the target): the server runs another "
                 "model or other layer ids than target.* configures"
             )
-        finite = torch.isfinite(hidden)
+        # Checked as stored: bf16 has half the bytes to scan, and a huge fp32 value that rounds to
+        # inf in bf16 is caught too.
+        bits = bf16_to_bits(hidden)
+        finite = torch.isfinite(bits_to_tensor(bits))
         if not bool(finite.all()):
             t, layer, _ = (~finite).nonzero()[0].tolist()
             raise ExtractionError(f"{where}: non-finite hidden state at token {t}, stored layer {layer}")
-        return bf16_to_bits(hidden)
+        return bits
 
 
 def _first_difference(got: Sequence[int] | None, want: Sequence[int]) -> str:

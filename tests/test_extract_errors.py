@@ -65,9 +65,12 @@ class FakeServer(BaseHTTPRequestHandler):
         ids = request["prompt"]
         if mode == "outside":
             path = str(self.server.victim)
-        else:  # "shape": a staged file with states of another hidden size
+        else:  # "shape": states of another hidden size; "inf"/"huge": one state not finite as bf16
             path = str(self.server.staging / f"{len(ids)}.safetensors")
-            save_file({"hidden_states": torch.zeros(len(ids), 3, 32), "token_ids": torch.tensor(ids)}, path)
+            hidden = torch.zeros(len(ids), 3, 32 if mode == "shape" else 64)
+            if mode != "shape":
+                hidden[2, 1, 5] = float("inf") if mode == "inf" else 3.4e38  # finite in fp32, inf in bf16
+            save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids)}, path)
             Path(path + ".lock").touch()
         self._send({"choices": [{"prompt_token_ids": ids}], "kv_transfer_params": {"hidden_states_path": path}})
 
@@ -133,6 +136,14 @@ def test_wrong_extraction_server_is_refused_by_name(mode, message, fake, tiny_qw
         extract_against(fake.url, fake.staging, tiny_qwen3_dir, data_dir, tmp_path)
     assert mode == "wrong-model" or fake.url in str(err.value)
     assert fake.victim.read_text() == "not yours", "a path outside the staging dir must not be touched"
+
+
+@pytest.mark.parametrize("mode", ["inf", "huge"])
+def test_non_finite_states_are_refused_before_the_store(mode, fake, tiny_qwen3_dir, data_dir, tmp_path):
+    fake.mode = mode
+    with pytest.raises(Exception, match=r"sample 0: non-finite hidden state at token 2, stored layer 1"):
+        extract_against(fake.url, fake.staging, tiny_qwen3_dir, data_dir, tmp_path)
+    assert not list((tmp_path / "store").rglob("hidden")), "nothing non-finite may reach a shard"
 
 
 def test_dead_server_url_and_bad_staging_dir(tiny_qwen3_dir, data_dir, tmp_path, fake):
