@@ -380,6 +380,14 @@ def test_a_nan_held_out_tau_is_never_best(world, tmp_path, monkeypatch):
     assert json.loads((ckpts / "step_3" / "trainer_state.json").read_text())["best_value"] == 1.7
 
 
+def test_a_held_out_store_with_nothing_to_score_is_a_user_error(world, tmp_path):
+    empty = make_samples(world.verifier, 3, seed=2, empty_masks=3)  # no trained token in any sample
+    write_store(tmp_path / "eval", world.verifier, empty, first_id=1000)
+    settings = {"train.eval_store": tmp_path / "eval", "train.eval_every": 1}
+    with pytest.raises(UserError, match=r"no held-out sample has a block to score.*train.eval_store=null"):
+        run(config(world, tmp_path / "run", **settings))
+
+
 def write_poisoned_store(url: Path, verifier: Path, samples, poisoned: set[int]) -> None:
     """A store whose samples in `poisoned` hold nan target states (the verifier's final layer)."""
     target = store_target(verifier)

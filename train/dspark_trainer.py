@@ -8,6 +8,7 @@ from torch import nn
 
 from dspark.anchors import slot_targets, train_anchors
 from dspark.config import HeldoutConfig, LossConfig
+from dspark.errors import UserError
 from dspark.eval.offline import heldout_samples, score_samples
 from dspark.export import export_drafter
 from dspark.losses import LossInputs, LossOutput, dspark_loss, term_names, weight_sum
@@ -155,7 +156,11 @@ class DSparkTrainer(Trainer):
         total = self.reduce_sum({"alpha": stats.alpha_sum, "prefix": stats.prefix_sum, "slots": stats.slots})
         stats = AcceptanceStats(total["alpha"].cpu(), total["prefix"].cpu(), total["slots"].cpu())
         if float(stats.slots[0]) == 0:
-            raise ValueError(f"{self.cfg.eval_store}: no held-out sample has a trainable position to score")
+            raise UserError(
+                f"train.eval_store={self.cfg.eval_store}: no held-out sample has a block to score (every sample's "
+                "loss mask is empty, or its reply is shorter than the heldout protocol's anchors need); give an "
+                "eval store of conversations with replies, or train.eval_store=null to train without held-out eval"
+            )
         metrics = {"tau": float(stats.tau())}
         metrics.update({f"alpha_{k}": float(v) for k, v in enumerate(stats.conditional())})
         metrics.update({f"accept_{k}": float(v) for k, v in enumerate(stats.cumulative())})
