@@ -14,6 +14,11 @@ With soft labels y ∈ [0, 1]:
   confusion counts under Bernoulli(y) acceptance); ties count one half;
 - NLL is the binary cross-entropy −[y log P + (1 − y) log(1 − P)].
 
+Under soft labels no score reaches AUROC 1: every example counts as positive and negative at
+once. The best any score can do is to rank by y itself (a score that orders the examples as y
+does maximizes Σ y_i (1 − y_j) over the pairs it orders), so `auroc_ceiling` = AUROC(y, y) is
+reported beside each AUROC: the head's ranking is judged against it, not against 1.
+
 STS fits one temperature per position, position 1 first: T_k minimizes the NLL of
 P_{k−1}·sigmoid(z_k / T_k) against y_k with T_1..T_{k−1} already fixed, because the
 product at position k can only be as good as the prefix it multiplies.
@@ -106,6 +111,7 @@ def _scores(pred: np.ndarray, label: np.ndarray, n_bins: int) -> dict:
         "n": int(pred.size),
         "ece": ece(pred, label, n_bins),
         "auroc": auroc(pred, label),
+        "auroc_ceiling": auroc(label, label),
         "brier": brier(pred, label),
         "nll": nll(pred, label),
         "mean_pred": float(pred.mean()) if pred.size else float("nan"),

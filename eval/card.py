@@ -195,7 +195,17 @@ def _calibration(cal: dict) -> list[str]:
     rows = []
     for k, (b, a) in enumerate(zip(cal["before"]["per_position"], cal["after"]["per_position"])):
         rows.append(
-            [str(k + 1), cal["temperatures"][k], b["ece"], a["ece"], b["auroc"], a["auroc"], b["brier"], a["brier"]]
+            [
+                str(k + 1),
+                cal["temperatures"][k],
+                b["ece"],
+                a["ece"],
+                b["auroc"],
+                a["auroc"],
+                b.get("auroc_ceiling", ""),
+                b["brier"],
+                a["brier"],
+            ]
         )
     pooled_b, pooled_a = cal["before"]["pooled"], cal["after"]["pooled"]
     rows.append(
@@ -206,6 +216,7 @@ def _calibration(cal: dict) -> list[str]:
             pooled_a["ece"],
             pooled_b["auroc"],
             pooled_a["auroc"],
+            pooled_b.get("auroc_ceiling", ""),
             pooled_b["brier"],
             pooled_a["brier"],
         ]
@@ -215,10 +226,23 @@ def _calibration(cal: dict) -> list[str]:
         "",
         "Prefix-survival prediction Π_{j≤k} c_j against the realized analytic acceptance Π_{j≤k} α_j, before and "
         "after per-position sequential temperature scaling (temperatures in `calibration.json`, fitted on "
-        f"{fmt(cal['fit_samples'])} held-out samples, scored on the other {fmt(cal['scored_samples'])}).",
+        f"{fmt(cal['fit_samples'])} held-out samples, scored on the other {fmt(cal['scored_samples'])}). "
+        "The acceptance is a probability, so no score reaches AUROC 1: the ceiling is the AUROC of the "
+        "acceptance itself used as the score.",
         "",
         *_table(
-            ["position", "temperature", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS"], rows
+            [
+                "position",
+                "temperature",
+                "ECE raw",
+                "ECE STS",
+                "AUROC raw",
+                "AUROC STS",
+                "AUROC ceiling",
+                "Brier raw",
+                "Brier STS",
+            ],
+            rows,
         ),
     ]
 

@@ -39,6 +39,20 @@ def test_auroc_hand_example():
     assert np.isnan(cal.auroc(np.array([0.2, 0.3]), np.array([1, 1])))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_auroc_ceiling_is_the_best_any_score_reaches(seed):
+    rng = np.random.default_rng(seed)
+    label = rng.beta(0.7, 0.7, size=40)  # soft labels, many near 0 or 1
+    ceiling = cal.auroc(label, label)
+    assert ceiling == pytest.approx(naive_soft_auroc(label.tolist(), label.tolist()))
+    assert 0.5 < ceiling < 1.0
+    for _ in range(200):  # no score, however it ranks, beats ranking by the label itself
+        assert cal.auroc(rng.permutation(label) + rng.normal(0, 0.1, 40), label) <= ceiling + 1e-12
+    assert cal.auroc(np.array([0.0, 1.0, 1.0]), np.array([0.0, 1.0, 1.0])) == 1.0  # hard labels: 1
+    scores = cal.confidence_quality(np.zeros((40, 2)), np.stack([label, label], 1), np.ones((40, 2), bool), None, 10)
+    assert scores["per_position"][0]["auroc_ceiling"] == pytest.approx(ceiling)
+
+
 def test_brier_ece_hand_example():
     pred, label = np.array([0.9, 0.9, 0.2, 0.2]), np.array([1.0, 0.0, 0.0, 0.0])
     assert cal.brier(pred, label) == pytest.approx((0.01 + 0.81 + 0.04 + 0.04) / 4)

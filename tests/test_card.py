@@ -102,9 +102,11 @@ def test_card_figures_match_their_report_fields(report_and_card):
     per_pos = [r for r in table_rows(card) if r[0].isdigit() and len(r) == 3]
     assert [r[1:] for r in per_pos[:4]] == [[fmt(c), fmt(a)] for c, a in zip(off["cumulative"], off["conditional"])]
     cal = report["calibration"]
-    cal_rows = [r for r in table_rows(card) if len(r) == 8 and r[0] != "position"]
+    cal_rows = [r for r in table_rows(card) if len(r) == 9 and r[0] != "position"]
     assert [float(r[1]) for r in cal_rows[:4]] == pytest.approx(cal["temperatures"], abs=5e-4)
     assert cal_rows[-1][2:4] == [fmt(cal["before"]["pooled"]["ece"]), fmt(cal["after"]["pooled"]["ece"])]
+    ceilings = [p["auroc_ceiling"] for p in cal["before"]["per_position"]] + [cal["before"]["pooled"]["auroc_ceiling"]]
+    assert [r[6] for r in cal_rows] == [fmt(c) for c in ceilings]
     assert rows["dspark k=4"] == [fmt(263.5), fmt(2.6024691358), fmt(3.4117)]
     assert rows["baseline"] == [fmt(101.25), "not recorded", "not recorded"]
     assert rows["steps"] == [fmt(report["training"]["steps"])] and rows["world_size"] == ["2"]
