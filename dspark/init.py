@@ -8,8 +8,9 @@ aux layer (`[0 … 0 | I]`), so the context injected into every draft layer star
 (normed) residual stream the verifier had at that layer, and the draft's final norm can start
 as the verifier's, the one its (shared) lm_head was trained behind.
 
-Verifiers without q/k norms (llama, mistral, qwen2) leave the draft's at their init (ones);
-attention biases (qwen2) have no counterpart in the draft and are refused.
+Verifiers without q/k norms (llama, mistral, qwen2) leave the draft's at their init (ones).
+A verifier with q/k/v biases (qwen2) gives the draft attention biases (`draft_layer_config`):
+they are copied, and the o_proj bias it lacks stays at its init (zeros).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dspark.errors import UserError
 from dspark.model import DSparkDraft
 from dspark.verifier import _find, _weight_map
 
-OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.bias")
 
 
 def resolve_layers(layers: list[int], num_verifier_layers: int, num_draft_layers: int) -> list[int]:

@@ -68,7 +68,9 @@ def draft_layer_config(verifier_config: PretrainedConfig, cfg: DraftConfig) -> Q
         initializer_range=float(getattr(verifier_config, "initializer_range", 0.02)),
         rms_norm_eps=float(getattr(verifier_config, "rms_norm_eps", None) or 1e-6),
         rope_parameters=rope,
-        attention_bias=False,
+        # Qwen2 has q/k/v biases (its config names none): the draft takes biases too, so its
+        # layers can start as the verifier's (the o_proj bias Qwen2 lacks starts at zero).
+        attention_bias=bool(getattr(verifier_config, "attention_bias", None) or verifier_config.model_type == "qwen2"),
         tie_word_embeddings=False,
         use_sliding_window=sliding,
         sliding_window=cfg.sliding_window,

@@ -110,21 +110,42 @@ def test_bad_layer_choices_are_user_errors(verifier_dir):
         init_from_verifier(model, verifier_dir, [3, 4], fc_from_last_aux=False)
 
 
-def test_auto_takes_the_last_layers_where_they_can_be_copied(verifier_dir, tmp_path):
+def test_auto_takes_the_last_layers_where_they_can_be_copied(verifier_dir):
     """`train.init_layers_from_verifier=auto` (the default): the last num_layers layers of a
-    verifier that has them; random, with the reason, for a shallower one or one with attention biases."""
+    verifier that has them; random, with the reason, for a shallower one."""
     layers, line = copyable_last_layers(draft(verifier_dir, num_layers=2), verifier_dir)
     assert layers == [-2, -1] and line == "init: draft layers start as verifier layers 2..3"
     layers, line = copyable_last_layers(draft(verifier_dir, num_layers=5), verifier_dir)
     assert layers is None and "draft layers random" in line and "outside the verifier's 4 layers" in line
 
+
+def test_qwen2_layers_are_copied_with_their_attention_biases(verifier_dir, tmp_path):
+    """A Qwen2 verifier (q/k/v biases, none on o_proj, no `attention_bias` in its config) gives the
+    draft attention biases: its last layers are copied, biases included; o_proj's bias stays zero."""
     config = Qwen2Config(
         vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
-    layers, line = copyable_last_layers(draft(tmp_path / "qwen2", num_layers=2), tmp_path / "qwen2")
-    assert layers is None and "self_attn.q_proj.bias" in line
+    torch.manual_seed(0)
+    qwen2 = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in qwen2.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_()  # not the zeros of HF's init
+    qwen2.save_pretrained(tmp_path / "qwen2")
+    model = draft(tmp_path / "qwen2", num_layers=2)
+    assert model.layer_config.attention_bias and not draft(verifier_dir).layer_config.attention_bias  # Qwen3: none
+    layers, line = copyable_last_layers(model, tmp_path / "qwen2")
+    assert layers == [-2, -1] and line == "init: draft layers start as verifier layers 1..2"
+    copied = init_from_verifier(model, tmp_path / "qwen2", layers, fc_from_last_aux=True)
+    tensors = load_file(tmp_path / "qwen2" / "model.safetensors")
+    for j, i in enumerate([1, 2]):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            name = f"layers.{j}.self_attn.{proj}.bias"
+            assert copied[name] == f"model.layers.{i}.self_attn.{proj}.bias"
+            assert torch.equal(model.state_dict()[name], tensors[copied[name]]) and tensors[copied[name]].any()
+        assert f"layers.{j}.self_attn.o_proj.bias" not in copied
+        assert not model.layers[j].self_attn.o_proj.bias.any()
 
 
 def test_final_norm_starts_as_the_verifiers(verifier_dir, tmp_path):
