@@ -34,8 +34,8 @@ from dspark.store import FP8, HIDDEN_CHUNK_TOKENS, Sample, StoreWriter
 from dspark.store.fp8 import bf16_bits_to_f32, quantize
 
 CODE_CODECS = {
-    "zstd1": Zstd(level=1),
-    "zstd3 (store)": Zstd(level=3),
+    "zstd1 (store)": Zstd(level=1),
+    "zstd3": Zstd(level=3),
     "zstd9": Zstd(level=9),
     "zstd3+bitshuffle": Blosc("zstd", 3, Blosc.BITSHUFFLE, 1 << 20),
 }

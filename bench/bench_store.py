@@ -9,7 +9,9 @@ store's chunking (256 tokens) and one zarr shard per array:
 - raw:   no compression (the baseline of the time ratios; its files carry the zero
          padding of the last chunk, so sizes are compared with the bf16 bytes themselves);
 - zstd:  plain zstd level 3;
-- store: `StoreWriter.write_shard` (Blosc byte-shuffle + zstd level 3, 1 MiB blocks).
+- zstd3-shuffle: the store's codec at zstd level 3 (its level until 2026-12-03);
+- store: `StoreWriter.write_shard` (Blosc byte-shuffle + zstd level 1, 1 MiB blocks; also
+         concatenation, checksums and the manifest commit).
 
 Every variant is checked to read back bit-exact. Write/read times are per variant over
 all samples (reads as one slice per sample, as the trainer reads).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from dataclasses import replace
 from importlib.util import find_spec
 from itertools import pairwise
 from pathlib import Path
@@ -30,6 +33,7 @@ import numpy as np
 
 from bench import write_figures
 from dspark.store import HIDDEN_CHUNK_TOKENS, Sample, StoreWriter, bf16_to_bits
+from dspark.store.format import HIDDEN_CODEC
 
 TARGET = "embedded:smollm2"
 
@@ -133,6 +137,7 @@ def main(out_dir: Path) -> dict:
         variants = {
             "raw": _plain_variant(samples, Path(tmp) / "raw", None),
             "zstd": _plain_variant(samples, Path(tmp) / "zstd", [ZstdCodec(level=3)]),
+            "zstd3-shuffle": _plain_variant(samples, Path(tmp) / "zstd3", [replace(HIDDEN_CODEC, clevel=3)]),
             "store": _store_variant(samples, target, Path(tmp) / "store"),
         }
     raw = variants["raw"]
