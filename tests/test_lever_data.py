@@ -97,6 +97,13 @@ def test_the_materialized_dataset_is_what_make_data_wrote_and_what_extract_reads
     assert (data / "eval.jsonl").read_bytes() == (made / "eval.jsonl").read_bytes()
 
 
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in lever_data.BENCH_DATA.glob(f"*/{lever_data.MANIFEST}")))
+def test_each_tracked_benchmark_is_as_its_manifest_says(name, tmp_path):
+    """bench/data/<name>/: every tracked file, and the dataset it materializes, has its manifest's sha256."""
+    record = lever_data.materialize(name, tmp_path, stores=False)
+    assert sorted(record["written"]) == ["eval.jsonl", "summary.json", "token_freqs.npy", "train.jsonl"]
+
+
 def test_the_manifest_refuses_a_changed_or_missing_file(tiny_bench, tmp_path):
     root = copy_bench(tiny_bench, tmp_path)
     folder = root / "tiny"
