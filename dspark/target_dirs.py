@@ -227,7 +227,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # local_files_only: the file is local, and transformers writes this load argument into the saved
+    # tokenizer_config.json, so without it the tokenizer's identity (its files' sha256, recorded by every
+    # dataset and store) would depend on whether HF_HUB_OFFLINE was set in the converting process.
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded (dequantized) model while it still
     # believes it is quantized; the tensors are plain fp32 by now.

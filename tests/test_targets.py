@@ -76,6 +76,16 @@ def test_killed_conversion_leaves_nothing_and_the_next_one_converts(smollm2_cach
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow  # one more conversion (~20 s)
+def test_the_converted_tokenizer_is_the_same_whatever_the_environment(tmp_path):
+    """Online or offline, a conversion gives the tokenizer the tracked lever benchmark was made with."""
+    code = "from dspark.targets import resolve_target_dir, tokenizer_sha256; print(tokenizer_sha256(resolve_target_dir('embedded:smollm2')))"
+    env = os.environ | {"DSPARK_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "0"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    summary = json.loads((REPO / "bench" / "data" / "smollm2-135m" / "summary.json").read_text())
+    assert done.stdout.split()[-1] == summary["target"]["tokenizer_sha256"]
+
+
 def test_converted_smollm2_is_a_working_hf_model(smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
