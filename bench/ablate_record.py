@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 from dspark.errors import UserError
+from dspark.target_dirs import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 # Names that become path parts under runs_dir (variants) or conf/ (recipes).
@@ -71,7 +72,7 @@ def store_fingerprint(url: str) -> str:
 
 def file_fingerprint(path: str) -> str:
     """sha256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return file_sha256(Path(path))
 
 
 def data_fingerprints(train_cfg) -> dict:

@@ -15,7 +15,6 @@ checkpoint (a gated or rnn Markov head: a warning at export, a refusal before se
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ from safetensors import safe_open
 
 from dspark.atomic_dir import recover_dir
 from dspark.errors import UserError
+from dspark.target_dirs import file_sha256
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -203,9 +203,9 @@ def _run_vllm_check(drafters: list[Path], num_speculative_tokens: int | None, ve
 
 
 def _sha256(path: Path) -> str | None:
+    """`file_sha256`, None for a file that cannot be read (that key part then matches no record)."""
     try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return file_sha256(path)
     except OSError:
         return None
 
@@ -248,7 +248,7 @@ def recorded_verdict(drafter: Path, key: dict) -> dict | None:
         record = json.loads((drafter / VERDICT_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("key") != key or None in (key["vllm"], key["check"]):
+    if not isinstance(record, dict) or record.get("key") != key:  # a key with a None part is never recorded
         return None
     return record.get("result")
 

@@ -120,7 +120,7 @@ def tokenizer_sha256(model_dir: str | Path) -> str:
         raise MissingInput(f"{model_dir}: no tokenizer files (looked for {list(TOKENIZER_FILES)})")
     for name in found:
         digest.update(name.encode() + b"\0")
-        digest.update(_file_sha256(model_dir / name).encode() + b"\0")
+        digest.update(file_sha256(model_dir / name).encode() + b"\0")
     return digest.hexdigest()
 
 
@@ -166,7 +166,7 @@ def _embedded_dir(name: str) -> Path:
     spec = _embedded(name)
     # A pinned GGUF names its cache before its packages are read: once converted, they are not needed.
     files = None if spec.sha256 else embedded_files(name)
-    sha = spec.sha256 or _file_sha256(files[0])
+    sha = spec.sha256 or file_sha256(files[0])
     root = cache_dir() / "embedded"
     final = root / f"{name}-{sha[:16]}"
     if (final / _CONVERTED_MARKER).is_file():
@@ -184,7 +184,7 @@ def _embedded_dir(name: str) -> Path:
             if len(files) == 1:
                 gguf, marker = files[0], {"gguf": files[0].name}
                 if spec.sha256:
-                    _check_sha256(name, spec, _file_sha256(gguf))
+                    _check_sha256(name, spec, file_sha256(gguf))
             else:  # the chunks, joined inside the tmp dir (and removed from it once converted)
                 gguf = tmp / f"{name}.gguf"
                 _check_sha256(name, spec, _concatenate(files, gguf))
@@ -254,7 +254,8 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
         ) from err
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 hex of a file's bytes, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -279,6 +280,7 @@ __all__ = [
     "cache_dir",
     "embedded_files",
     "embedded_gguf",
+    "file_sha256",
     "resolve_target_dir",
     "tokenizer_sha256",
 ]

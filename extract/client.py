@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dspark.errors import UserError
-from dspark.store import Sample, ShardStore, bf16_to_bits, bits_to_tensor
+from dspark.store import Sample, ShardStore, bf16_to_bits
 
 SHM = Path("/dev/shm")
 # How often a waiting reader retries a staged file's lock; the file lands within one
@@ -245,12 +245,12 @@ class HiddenStatesClient:
             )
         # Checked as stored: bf16 has half the bytes to scan, and a huge fp32 value that rounds to
         # inf in bf16 is caught too.
-        bits = bf16_to_bits(hidden)
-        finite = torch.isfinite(bits_to_tensor(bits))
+        hidden = hidden.to(torch.bfloat16)
+        finite = torch.isfinite(hidden)
         if not bool(finite.all()):
             t, layer, _ = (~finite).nonzero()[0].tolist()
             raise ExtractionError(f"{where}: non-finite hidden state at token {t}, stored layer {layer}")
-        return bits
+        return bf16_to_bits(hidden)
 
 
 def _first_difference(got: Sequence[int] | None, want: Sequence[int]) -> str:
