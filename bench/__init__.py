@@ -1,6 +1,7 @@
 """Benchmarks (`make bench`): each `bench_*.py` defines `main(out_dir) -> dict` of figures."""
 
 import json
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -14,7 +15,12 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def write_figures(out_dir: Path, name: str, figures: dict) -> dict:
-    """Write `figures` to `out_dir/<name>.json` (atomically) and return them."""
+    """Write `figures` to `out_dir/<name>.json` (atomically) and return them, with `made`: the commit and
+    dirty flag of the tree that measured them and the date (unless the figures carry their own)."""
+    from bench.ablate_record import git_state
+
+    if "made" not in figures:
+        figures = {"made": {**git_state(), "date": time.strftime("%Y-%m-%d")}, **figures}
     write_atomically(out_dir / f"{name}.json", json.dumps(figures, indent=2).encode())
     return figures
 

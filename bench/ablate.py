@@ -17,7 +17,8 @@ Its untrained draft (same seed, same init levers) is scored the same way. One ta
   `gain_against`: the same against the variant's own `against`;
 - `accept` / `alpha`: per-position cumulative (Π_{j≤k} α_j) and conditional (α_k) acceptance;
 - `tau_per_mtok`: (τ − the reference's untrained τ) per million training tokens;
-- `untrained_tau`, `wall_s` (the training subprocess) and `train_time_s` (its steps only).
+- `untrained_tau`, `wall_s` (the training subprocess), `train_time_s` (its steps only) and
+  `train_tokens_per_s` (training tokens per second of those steps: equal steps are not equal time).
 
 Every figure is {mean, se, seeds}, its SE clustered by held-out conversation (`bench.ablate_stats`).
 Every run records the commit and dirty flag it was trained and scored at, its resolved config's
@@ -30,7 +31,8 @@ first where missing; runs under `<runs_dir>/bench_data/NAME/`), the table names 
 stores' fingerprints, and each row adds `by_source`: τ and the gains per held-out source (benchmark).
 
 Usage: python -m bench.ablate [config=bench/ablate.yaml] [out=bench/results] [only=a,b] [seeds=0,1] [budgets=1,4]
-       [bench_data=NAME]
+       [steps=N] [bench_data=NAME]
+A file whose `common` names no verifier (`target=...`) trains the benchmark's on `bench_data`.
 A stored result is reused only when what produced it is unchanged (its score key); a drafter whose
 results are missing or torn is re-scored; a run interrupted before its drafter resumes from its
 checkpoint; anything else is retrained from step 0. A scored run's checkpoints are deleted
@@ -276,14 +278,18 @@ def with_bench_data(cfg: dict) -> tuple[dict, dict | None]:
     from bench import lever_data
 
     manifest = lever_data.load_manifest(lever_data.bench_dir(name))
-    target = compose(list(cfg["common"])).target
+    common = list(cfg["common"])
+    if not any(item.lstrip("+~").startswith("target") for item in common):
+        # a file that names no verifier trains the benchmark's (as it was made: its target overrides)
+        common += manifest["target"]["overrides"]
+    target = compose(common).target
     if target.name_or_path != manifest["target"]["name_or_path"]:
         raise UserError(
             f"bench_data={name} holds data of the verifier {manifest['target']['name_or_path']!r}; "
             f"the runs' `common` overrides train on {target.name_or_path!r}"
         )
     record = lever_data.materialize(name)
-    return {**cfg, "common": [*cfg["common"], *lever_data.train_overrides(record)]}, record
+    return {**cfg, "common": [*common, *lever_data.train_overrides(record)]}, record
 
 
 def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dict:
@@ -339,10 +345,10 @@ def main(argv: list[str]) -> int:
     args = {}
     for item in argv:
         key, sep, value = item.partition("=")
-        if not sep or key not in {"config", "out", "only", "seeds", "budgets", "bench_data"}:
+        if not sep or key not in {"config", "out", "only", "seeds", "budgets", "steps", "bench_data"}:
             raise UserError(
-                f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1, budgets=1,4 "
-                "or bench_data=NAME"
+                f"unknown argument {item!r}; expected config=FILE, out=DIR, only=a,b, seeds=0,1, budgets=1,4, "
+                "steps=N or bench_data=NAME"
             )
         args[key] = value
     cfg = load_config(Path(args.get("config", DEFAULT_CONFIG)))
@@ -354,6 +360,10 @@ def main(argv: list[str]) -> int:
                 cfg[key] = [int(v) for v in args[key].split(",")]
             except ValueError as e:
                 raise UserError(f"{key}={args[key]}: expected integers separated by commas") from e
+    if "steps" in args:
+        if not args["steps"].isdigit() or int(args["steps"]) < 1:
+            raise UserError(f"steps={args['steps']}: expected a positive integer (the 1x budget's steps)")
+        cfg["steps"] = int(args["steps"])
     result = run_ablation(
         cfg, Path(args.get("out", "bench/results")), args["only"].split(",") if "only" in args else None
     )
@@ -363,7 +373,8 @@ def main(argv: list[str]) -> int:
         print(
             f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
             f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  "
-            f"vs {row.get('against', '-')} {against['mean']:+.4f} ± {against['se']:.4f}  wall {row['wall_s']['mean']:.0f} s"
+            f"vs {row.get('against', '-')} {against['mean']:+.4f} ± {against['se']:.4f}  "
+            f"{row['train_tokens_per_s']['mean']:.0f} tok/s  wall {row['wall_s']['mean']:.0f} s"
         )
         for source, part in row.get("by_source", {}).items():
             gain, against = part.get("gain", none), part.get("gain_against", none)

@@ -158,7 +158,8 @@ def summarize(
 ) -> list[dict]:
     """One table row per (variant, budget): every figure as {mean, se, seeds}.
 
-    `runs`: run records (variant, budget, seed, steps, train_tokens, wall_s, train_time_s);
+    `runs`: run records (variant, budget, seed, steps, train_tokens, wall_s, train_time_s); each row adds
+    `train_tokens_per_s` (training tokens over the steps' time);
     `blocks[(variant, budget, seed)]` and `untrained[(variant, seed)]`: `Blocks` on the same held-out blocks;
     `reference`: the variant every `gain` is paired against; `against[variant]`: the variant its own
     decision is measured against (`gain_against`), where it names one. With `sources` (sample id ->
@@ -204,6 +205,9 @@ def summarize(
             )
         for key in ("wall_s", "train_time_s"):
             row[key] = combine_seeds([r[key] for r in rows], [0.0] * len(rows))
+        # what a lever costs: equal steps are not equal GPU-hours when a lever slows the step
+        speeds = [r["train_tokens"] / r["train_time_s"] if r["train_time_s"] > 0 else float("nan") for r in rows]
+        row["train_tokens_per_s"] = combine_seeds(speeds, [0.0] * len(rows))
         labels = np.array([(sources or {}).get(int(c), "unknown") for c in conversations], dtype=object)
         if sources and len(set(labels.tolist())) > 1:
             names = {"gain": reference, "gain_against": against.get(variant)}

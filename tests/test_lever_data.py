@@ -229,8 +229,14 @@ def test_make_ablate_resolves_a_benchmark_name_to_its_stores(tiny_bench, tmp_pat
     # the name comes from the file or the command line; a wrong one, or another verifier, stops before any run
     with pytest.raises(UserError, match="no lever benchmark 'nope'"):
         ablate.main([f"config={ablate_file(tmp_path, common)}", "bench_data=nope", f"out={tmp_path / 'o'}"])
+    # a file that names no verifier trains the benchmark's, with the target overrides it was made with
+    resolved, _ = ablate.with_bench_data(load_config(ablate_file(tmp_path, [], bench_data="tiny")))
+    assert resolved["common"][: len(target_overrides(model))] == target_overrides(model)
+    assert ablate.compose(ablate.run_overrides(resolved, "base", 1, 0, tmp_path)).target.name_or_path == str(model)
     with pytest.raises(UserError, match="holds data of the verifier"):
-        ablate.with_bench_data(load_config(ablate_file(tmp_path, [], bench_data="tiny")))
+        ablate.with_bench_data(load_config(ablate_file(tmp_path, ["target=smollm2"], bench_data="tiny")))
+    with pytest.raises(UserError, match="steps=0: expected a positive integer"):
+        ablate.main([f"config={ablate_file(tmp_path, common)}", "steps=0", f"out={tmp_path / 'o'}"])
     with pytest.raises(UserError, match="is not allowed"):
         load_config(ablate_file(tmp_path, common, bench_data="../x"))
     assert not (tmp_path / "runs" / "base").exists() and not (tmp_path / "o").exists()
@@ -311,8 +317,10 @@ def test_an_ablation_on_a_benchmark_names_it_and_its_stores(tmp_path, monkeypatc
     cfg = yaml.safe_load((REPO / "bench" / "ablate_tiny.yaml").read_text())
     cfg.update({"runs_dir": str(tmp_path / "ablate"), "steps": 2, "budgets": [1], "seeds": [0], "bench_data": "tiny"})
     (tmp_path / "ablate.yaml").write_text(yaml.safe_dump(cfg))
-    assert ablate.main([f"config={tmp_path / 'ablate.yaml'}", f"out={tmp_path / 'out'}", "only=baseline,default"]) == 0
+    args = [f"config={tmp_path / 'ablate.yaml'}", f"out={tmp_path / 'out'}", "only=baseline,default", "steps=3"]
+    assert ablate.main(args) == 0
     result = json.loads((tmp_path / "out" / "ablations.json").read_text())
+    assert {r["steps"] for r in result["runs"]} == {3}  # the command line's 1x budget
     fingerprints = {s: store_fingerprint(str(out / "store" / s)) for s in ("train", "eval")}
     assert result["bench_data"]["name"] == "tiny"
     assert {s: v["fingerprint"] for s, v in result["bench_data"]["stores"].items()} == fingerprints
@@ -321,6 +329,9 @@ def test_an_ablation_on_a_benchmark_names_it_and_its_stores(tmp_path, monkeypatc
         assert record["data"]["eval_store"] == fingerprints["eval"]
     assert (tmp_path / "ablate" / "bench_data" / "tiny" / "default" / "x1_s0" / "drafter").is_dir()
     for row in result["table"]:
+        assert row["train_tokens_per_s"]["mean"] == pytest.approx(
+            np.mean([r["train_tokens"] / r["train_time_s"] for r in result["runs"] if r["variant"] == row["variant"]])
+        )
         assert set(row["by_source"]) == {"a", "b"}
         assert sum(p["heldout_blocks"] for p in row["by_source"].values()) == row["heldout_blocks"]
 

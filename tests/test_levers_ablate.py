@@ -376,3 +376,15 @@ def test_make_ablate_trains_todays_defaults_from_the_recipe_alone(tmp_path):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         for variant in cfg["variants"]:
             compose("train", overrides=ablate.run_overrides(cfg, variant, 1, 0, tmp_path))
+
+
+def test_every_benchmark_json_records_the_commit_that_measured_it(tmp_path):
+    from bench import write_figures
+
+    written = write_figures(tmp_path, "speed", {"ratio": 1.5})
+    on_disk = json.loads((tmp_path / "speed.json").read_text())
+    assert on_disk == written and on_disk["ratio"] == 1.5
+    assert {k: on_disk["made"][k] for k in ("commit", "dirty")} == git_state()
+    assert on_disk["made"]["commit"] and len(on_disk["made"]["date"]) == 10
+    own = {"commit": "abc", "dirty": False}  # figures that say what made them (ablations.json) keep it
+    assert json.loads(json.dumps(write_figures(tmp_path, "own", {"made": own})))["made"] == own
