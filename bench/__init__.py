@@ -14,12 +14,13 @@ def write_atomically(path: Path, data: bytes) -> None:
     LocalFiles(path.parent).replace_atomically(path.name, data)
 
 
-def write_figures(out_dir: Path, name: str, figures: dict) -> dict:
+def write_figures(out_dir: Path, name: str, figures: dict, stamp: bool = True) -> dict:
     """Write `figures` to `out_dir/<name>.json` (atomically) and return them, with `made`: the commit and
-    dirty flag of the tree that measured them and the date (unless the figures carry their own)."""
+    dirty flag of the tree that measured them and the date (unless the figures carry their own, or
+    `stamp` is false: records that hold their own git states)."""
     from bench.ablate_record import git_state
 
-    if "made" not in figures:
+    if stamp and "made" not in figures:
         figures = {"made": {**git_state(), "date": time.strftime("%Y-%m-%d")}, **figures}
     write_atomically(out_dir / f"{name}.json", json.dumps(figures, indent=2).encode())
     return figures

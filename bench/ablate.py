@@ -122,7 +122,7 @@ def score(draft, verifier, full_cfg) -> Blocks:
 def write_record(run_dir: Path, record: dict, blocks: Blocks) -> None:
     """Blocks first, then the record that names them: a record on disk always has its blocks."""
     blocks.save(run_dir / BLOCKS_FILE)
-    write_figures(run_dir, Path(RECORD_FILE).stem, record)
+    write_figures(run_dir, Path(RECORD_FILE).stem, record, stamp=False)
 
 
 def stored(run_dir: Path, score_key: str) -> tuple[dict, Blocks] | None:
@@ -169,9 +169,9 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
         for name in (RECORD_FILE, BLOCKS_FILE):
             (run_dir / name).unlink(missing_ok=True)
         training = {"train_key": made["train_key"], "git": git_state(), "wall_s": 0.0}
-        write_figures(run_dir, Path(TRAINING_FILE).stem, training)
+        write_figures(run_dir, Path(TRAINING_FILE).stem, training, stamp=False)
         training["wall_s"] = train(cfg, variant, budget, seed, run_dir, resume)
-        write_figures(run_dir, Path(TRAINING_FILE).stem, training)
+        write_figures(run_dir, Path(TRAINING_FILE).stem, training, stamp=False)
     record, blocks = score_run(cfg, variant, budget, seed, run_dir, made)
     record.update(trained=training["git"], wall_s=training["wall_s"])
     write_record(run_dir, record, blocks)

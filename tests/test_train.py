@@ -553,7 +553,8 @@ def test_default_and_seed_recipe_configs_resolve():
     assert (seed.model.markov_rank, seed.model.markov_type, seed.model.confidence_head) == (512, "vanilla", True)
     assert seed.model.markov_embed_proj and seed.train.init_norm_from_verifier == "auto"  # the default levers
     assert list(seed.target.aux_layer_ids) == [2, 14, 25]
-    assert load_section(LossConfig, seed, "loss").weights == {"tv": 0.9, "kl": 0.3}  # the default loss
+    assert load_section(LossConfig, seed, "loss").weights == {"ce": 0.1, "tv": 0.9}  # the default loss
+    assert not seed.loss.train_on_prompt
     assert seed.loss.hidden_weight > 0
     exact = compose_cfg(["+experiment=qwen3-0.6b", "+recipe=published"])
     assert exact == compose_cfg(["+recipe=published", "+experiment=qwen3-0.6b"])  # in either order
