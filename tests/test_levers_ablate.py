@@ -216,6 +216,24 @@ def test_the_default_recipe_is_the_plain_defaults():
     assert published != ablate.compose([])
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "bench").glob("ablate*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_variant_file_composes_every_variant(path, tmp_path):
+    """Each tracked variant file loads, and each variant's overrides name keys and recipes that exist:
+    a typo fails here, not an hour into a table."""
+    cfg = load_config(path)
+    for variant in cfg["variants"]:
+        full = ablate.compose(ablate.run_overrides(cfg, variant, 1, 0, tmp_path / variant))
+        assert full.train.max_steps == cfg["steps"]
+
+
+def test_the_demo_picked_recipe_holds_the_two_levers_switched_off():
+    """`+recipe=demo-picked` is today's defaults with tv + kl and prompt anchors back, nothing else."""
+    picked, today = ablate.compose(["+recipe=demo-picked"]), ablate.compose([])
+    assert dict(picked.loss.weights) == {"ce": 0.0, "tv": 0.9, "kl": 0.3} and picked.loss.train_on_prompt
+    picked.loss.weights, picked.loss.train_on_prompt = today.loss.weights, today.loss.train_on_prompt
+    assert picked == today
+
+
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablate")
