@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
-from dspark.eval.card import benchmark_names
+from dspark.eval.card import benchmark_names, budget_headline
 from dspark.eval.config import EvalConfig
 from dspark.eval.decode import headline as decode_headline
 from dspark.eval.evaluate import evaluate_drafter
@@ -55,6 +55,7 @@ def headline(report: dict) -> str:
             f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
             f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"])
         )
+        lines.append(budget_headline(c["budget"]))
     if report.get("decode"):
         lines.append("speculative decoding (transformers):\n" + decode_headline(report["decode"]))
     for r in (report.get("online") or {}).get("runs", []):

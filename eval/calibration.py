@@ -192,6 +192,75 @@ def fit_sequential_temperatures(
     return temperatures
 
 
+def _truncated(keep: np.ndarray, label: np.ndarray) -> tuple[float, float]:
+    """(τ, drafts sent) per block, mean over blocks, when only the slots in `keep` [n, B] are verified."""
+    return float(1.0 + (label * keep).sum(1).mean()), float(keep.sum(1).mean())
+
+
+SCHEDULES = ("fixed", "confidence", "oracle")
+"""`fixed` verifies the first k slots of every block whatever the head says (the baseline a head
+must beat); `confidence` the slots whose predicted survival P_k reaches a threshold (P is
+non-increasing in k, so they are a prefix of the block); `oracle` thresholds the analytic
+survival y_k itself (the ceiling of any ranking)."""
+
+
+def _settings(name: str, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> list[float]:
+    """The settings a schedule is tried at: slot counts for `fixed`, else thresholds (score quantiles)."""
+    if name == "fixed":
+        return [float(k) for k in range(mask.shape[1] + 1)]
+    score = pred if name == "confidence" else label
+    return np.unique(np.quantile(score[mask], np.linspace(0.0, 1.0, 201))).tolist() if mask.any() else [0.0]
+
+
+def _verified(name: str, setting: float, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Slots [n, B] one schedule verifies at `setting`."""
+    if name == "fixed":
+        keep = mask.copy()
+        keep[:, int(setting) :] = False
+        return keep
+    return mask & ((pred if name == "confidence" else label) >= setting)
+
+
+def verification_budget(
+    fit: tuple[np.ndarray, np.ndarray, np.ndarray],
+    scored: tuple[np.ndarray, np.ndarray, np.ndarray],
+    temperatures: list[float] | None,
+    max_tau_loss: float,
+) -> dict:
+    """Draft tokens a schedule spares the verifier at a bounded loss of acceptance length.
+
+    `fit` and `scored` are (conf_logits, alpha, slot_mask) of disjoint samples. Each schedule
+    (`SCHEDULES`) takes the setting that sends the fewest drafts on the fit samples with τ at least
+    (1 − max_tau_loss) of verifying every slot; the figures are that setting's on the scored samples:
+    τ, drafts sent per block and the share of drafts saved, each against verifying every slot.
+    This is the offline side of adaptive verification: vLLM picks the drafts to send from the same
+    survival P_k, weighed by step costs profiled on the serving GPU (`eval.decode` replays that rule)."""
+
+    def parts(split):
+        logits, alpha, slot_mask = split
+        mask = np.asarray(slot_mask, bool)
+        return prefix_survival(scaled_confidence(logits, temperatures), mask), prefix_survival(alpha, mask), mask
+
+    fit_parts, scored_parts = parts(fit), parts(scored)
+    floor = (1.0 - max_tau_loss) * _truncated(fit_parts[2], fit_parts[1])[0]
+    full_tau, full_sent = _truncated(scored_parts[2], scored_parts[1])
+    out = {"max_tau_loss": max_tau_loss, "all_slots": {"tau": full_tau, "sent": full_sent}}
+    for name in SCHEDULES:
+        # the setting sending the fewest drafts on the fit samples within the loss (verifying every
+        # slot always is), then applied as it is to the scored samples
+        tried = [_truncated(_verified(name, t, *fit_parts), fit_parts[1]) + (t,) for t in _settings(name, *fit_parts)]
+        setting = min((sent, t) for tau, sent, t in tried if tau >= floor - 1e-12)[1]
+        tau, sent = _truncated(_verified(name, setting, *scored_parts), scored_parts[1])
+        out[name] = {
+            "setting": setting,
+            "tau": tau,
+            "tau_loss": 1.0 - tau / full_tau,
+            "sent": sent,
+            "saved": 1.0 - sent / full_sent if full_sent else 0.0,
+        }
+    return out
+
+
 def save_calibration(path: str | Path, temperatures: list[float], meta: dict) -> Path:
     """Write the fitted temperatures beside the drafter (json: temperatures + how they were fitted)."""
     path = Path(path)

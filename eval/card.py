@@ -244,6 +244,43 @@ def _calibration(cal: dict) -> list[str]:
             ],
             rows,
         ),
+        *(_budget(cal["budget"]) if cal.get("budget") else []),
+    ]
+
+
+def budget_headline(budget: dict) -> str:
+    """One line: the share of drafts the confidence head spares the verifier, against a fixed budget."""
+    conf, fixed = budget["confidence"], budget["fixed"]
+    return (
+        f"verification budget (tau loss <= {budget['max_tau_loss']:.0%} on the fit samples): the confidence "
+        f"head saves {conf['saved']:.1%} of drafts (tau loss {conf['tau_loss']:.2%}), a fixed budget "
+        f"{fixed['saved']:.1%} (tau loss {fixed['tau_loss']:.2%}), the oracle {budget['oracle']['saved']:.1%}"
+    )
+
+
+def _budget(budget: dict) -> list[str]:
+    rows = [["every slot", None, budget["all_slots"]["tau"], None, budget["all_slots"]["sent"], None]]
+    rows += [
+        [
+            name,
+            budget[name]["setting"],
+            budget[name]["tau"],
+            budget[name]["tau_loss"],
+            budget[name]["sent"],
+            budget[name]["saved"],
+        ]
+        for name in ("fixed", "confidence", "oracle")
+    ]
+    return [
+        "### Verification budget",
+        "",
+        "Drafts sent to the verifier per block when it verifies only some slots: `fixed` the first k of every "
+        "block (k is the setting), `confidence` those whose calibrated survival reaches a threshold, `oracle` "
+        "those whose true acceptance does (the ceiling). Each setting sends the fewest drafts with τ within "
+        f"{fmt(budget['max_tau_loss'])} (relative) of verifying every slot on the fit samples; the figures are "
+        "on the scored samples. A confidence head is worth scheduling on where it saves more than `fixed`.",
+        "",
+        *_table(["schedule", "setting", "τ", "τ loss", "drafts sent", "saved"], rows),
     ]
 
 

@@ -51,6 +51,9 @@ class CalibrationConfig(Checked):
     """Smallest temperature searched."""
     t_max: float
     """Largest temperature searched."""
+    max_tau_loss: float
+    """The verification budget's bound: the drafts a schedule spares the verifier are counted at the
+    setting that keeps τ within this relative loss of verifying every slot (`calibration.verification_budget`)."""
     save: bool
     """Write the fitted temperatures to `<drafter>/calibration.json`."""
 
@@ -61,6 +64,8 @@ class CalibrationConfig(Checked):
         self.positive("t_min")
         if self.t_max <= self.t_min:
             self.refuse("t_max", f"must be > eval.calibration.t_min ({self.t_min})")
+        if not 0 <= self.max_tau_loss < 1:
+            self.refuse("max_tau_loss", "must be in [0, 1)")
 
 
 @dataclass

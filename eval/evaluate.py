@@ -117,6 +117,12 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
         "scored_on_fit_samples": bool(np.array_equal(fit_ids, scored_ids)),
         "before": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, None, cfg.n_bins),
         "after": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, temps, cfg.n_bins),
+        "budget": cal.verification_budget(
+            (fit.conf_logits, fit.alpha, fit.slot_mask),
+            (scored.conf_logits, scored.alpha, scored.slot_mask),
+            temps,
+            cfg.max_tau_loss,
+        ),
     }
 
 

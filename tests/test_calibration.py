@@ -133,3 +133,72 @@ def test_calibration_file_roundtrip_and_errors(tmp_path):
         cal.load_calibration(path)
     with pytest.raises(ValueError, match="3 temperatures for 2"):
         cal.scaled_confidence(np.zeros((1, 2)), [1.0, 1.0, 1.0])
+
+
+def logit(p):
+    p = np.asarray(p, np.float64)
+    return np.log(p / (1 - p))
+
+
+def test_verification_budget_hand_example():
+    """Two blocks of 2 slots: one sure (α 0.9, 0.9), one hopeless (α 0.1, 0.1), the head knowing which.
+
+    Verifying every slot: τ = 1 + ((0.9 + 0.81) + (0.1 + 0.01)) / 2 = 1.91, 2 drafts a block. Within a
+    1% loss (τ ≥ 1.8909) the head can drop the hopeless block's second slot (τ 1.905, 1.5 drafts: 25%
+    saved); a fixed budget of 1 slot would drop the sure block's second slot too (τ 1.5), so it must
+    verify both."""
+    alpha = np.array([[0.9, 0.9], [0.1, 0.1]])
+    mask = np.ones_like(alpha, bool)
+    data = (logit(alpha), alpha, mask)
+    out = cal.verification_budget(data, data, None, max_tau_loss=0.01)
+    assert out["all_slots"] == pytest.approx({"tau": 1.91, "sent": 2.0})
+    assert out["confidence"]["saved"] == pytest.approx(0.25) and out["confidence"]["tau"] == pytest.approx(1.905)
+    assert out["confidence"]["tau_loss"] == pytest.approx(1 - 1.905 / 1.91)
+    assert out["fixed"]["saved"] == 0.0 and out["fixed"]["setting"] == 2.0
+    assert out["oracle"]["saved"] == pytest.approx(0.25)
+    # with no loss allowed nothing can be dropped; with a loss of 30% the fixed budget of 1 slot passes
+    assert cal.verification_budget(data, data, None, 0.0)["confidence"]["saved"] == 0.0
+    assert cal.verification_budget(data, data, None, 0.3)["fixed"] == pytest.approx(
+        {"setting": 1.0, "tau": 1.5, "tau_loss": 1 - 1.5 / 1.91, "sent": 1.0, "saved": 0.5}
+    )
+
+
+def test_verification_budget_picks_on_fit_and_reports_on_scored():
+    """The setting comes from the fit samples; the scored samples only apply it. A head that is
+    right on fit and inverted on scored keeps its fit threshold and loses τ on scored."""
+    alpha = np.array([[0.9, 0.9], [0.1, 0.1]])
+    mask = np.ones_like(alpha, bool)
+    fit = (logit(alpha), alpha, mask)
+    scored = (logit(alpha[::-1]), alpha, mask)  # the head swaps the two blocks
+    out = cal.verification_budget(fit, scored, None, max_tau_loss=0.01)
+    # fit threshold: survival ≥ 0.1 (keeps 3 of 4 slots); on scored the sure block's second slot
+    # has survival 0.01 and is dropped: τ = 1 + (0.9 + 0.1 + 0.01) / 2
+    assert out["confidence"]["tau"] == pytest.approx(1 + (0.9 + 0.1 + 0.01) / 2)
+    assert out["confidence"]["tau_loss"] > 0.01
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verification_budget_ranks_schedules(seed):
+    """On random blocks (ragged masks): a head equal to the acceptance saves what the oracle saves;
+    a head of noise saves no more than it; the saved shares match a naive per-block count."""
+    rng = np.random.default_rng(seed)
+    alpha = rng.beta(2, 3, size=(300, 4))
+    mask = np.arange(4)[None] < rng.integers(1, 5, size=(300, 1))
+    data = (logit(np.clip(alpha, 1e-6, 1 - 1e-6)), alpha, mask)
+    exact = cal.verification_budget(data, data, None, 0.02)
+    assert exact["confidence"]["saved"] == pytest.approx(exact["oracle"]["saved"], abs=0.02)
+    noisy = (rng.normal(size=alpha.shape), alpha, mask)
+    assert cal.verification_budget(noisy, noisy, None, 0.02)["confidence"]["saved"] <= exact["oracle"]["saved"] + 1e-9
+    # naive: the fixed schedule's τ and drafts sent at its setting, block by block
+    k = int(exact["fixed"]["setting"])
+    taus, sent = [], []
+    for a, m in zip(alpha, mask):
+        run, tau, n = 1.0, 1.0, 0
+        for j in range(min(k, int(m.sum()))):
+            run *= a[j]
+            tau, n = tau + run, n + 1
+        taus.append(tau)
+        sent.append(n)
+    assert exact["fixed"]["tau"] == pytest.approx(np.mean(taus))
+    assert exact["fixed"]["saved"] == pytest.approx(1 - np.mean(sent) / mask.sum(1).mean())
+    assert exact["fixed"]["tau_loss"] <= 0.02 + 1e-9  # fit == scored here

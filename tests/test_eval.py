@@ -203,6 +203,11 @@ def test_stage_end_to_end(setup):
     assert cal["temperatures"] == pytest.approx(report["calibration"]["temperatures"])
     assert len(cal["temperatures"]) == 4 and all(t > 0 for t in cal["temperatures"])
     assert report["calibration"]["fit_samples"] + report["calibration"]["scored_samples"] == 8
+    budget = report["calibration"]["budget"]
+    for name in ("fixed", "confidence", "oracle"):  # a setting never sends more than every slot
+        assert 0.0 <= budget[name]["saved"] <= 1.0 and budget[name]["sent"] <= budget["all_slots"]["sent"]
+    assert "### Verification budget" in (setup.drafter / "README.md").read_text()
+    assert "verification budget" in headline(report)
     assert report["training"]["steps"] == 20 and len(report["training"]["curves"]["train loss"]) == 20
     assert report["data"]["heldout_store"]["samples"] == 8
     assert (setup.drafter / "README.md").is_file()
