@@ -193,32 +193,34 @@ def fit_sequential_temperatures(
 
 
 def _truncated(keep: np.ndarray, label: np.ndarray) -> tuple[float, float]:
-    """(τ, drafts sent) per block, mean over blocks, when only the slots in `keep` [n, B] are verified."""
+    """(τ, drafts sent) per block, mean over blocks, when slot k of a block is verified with weight
+    `keep` [n, B] (a prefix: slot k counts only with every earlier one)."""
     return float(1.0 + (label * keep).sum(1).mean()), float(keep.sum(1).mean())
 
 
 SCHEDULES = ("fixed", "confidence", "oracle")
-"""`fixed` verifies the first k slots of every block whatever the head says (the baseline a head
-must beat); `confidence` the slots whose predicted survival P_k reaches a threshold (P is
-non-increasing in k, so they are a prefix of the block); `oracle` thresholds the analytic
-survival y_k itself (the ceiling of any ranking)."""
+"""`fixed` verifies the first s slots of every block whatever the head says (s fractional: slot
+⌊s⌋+1 in a share s − ⌊s⌋ of the blocks, drawn independently of the blocks, so τ and drafts sent
+are linear between whole s): the baseline a head must beat at the same τ. `confidence` verifies
+the slots whose predicted survival P_k reaches a threshold (P is non-increasing in k, so they are
+a prefix of the block); `oracle` thresholds the analytic survival y_k itself (the ceiling of any
+ranking)."""
 
 
 def _settings(name: str, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> list[float]:
-    """The settings a schedule is tried at: slot counts for `fixed`, else thresholds (score quantiles)."""
+    """The settings a schedule is tried at: slot counts in steps of 1/100 for `fixed`, else thresholds
+    (score quantiles)."""
     if name == "fixed":
-        return [float(k) for k in range(mask.shape[1] + 1)]
+        return np.linspace(0.0, mask.shape[1], 100 * mask.shape[1] + 1).tolist()
     score = pred if name == "confidence" else label
     return np.unique(np.quantile(score[mask], np.linspace(0.0, 1.0, 201))).tolist() if mask.any() else [0.0]
 
 
 def _verified(name: str, setting: float, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Slots [n, B] one schedule verifies at `setting`."""
+    """Share of each slot [n, B] one schedule verifies at `setting` (0 or 1 but for `fixed`'s last slot)."""
     if name == "fixed":
-        keep = mask.copy()
-        keep[:, int(setting) :] = False
-        return keep
-    return mask & ((pred if name == "confidence" else label) >= setting)
+        return mask * np.clip(setting - np.arange(mask.shape[1]), 0.0, 1.0)[None]
+    return (mask & ((pred if name == "confidence" else label) >= setting)).astype(np.float64)
 
 
 def verification_budget(

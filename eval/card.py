@@ -274,8 +274,8 @@ def _budget(budget: dict) -> list[str]:
     return [
         "### Verification budget",
         "",
-        "Drafts sent to the verifier per block when it verifies only some slots: `fixed` the first k of every "
-        "block (k is the setting), `confidence` those whose calibrated survival reaches a threshold, `oracle` "
+        "Drafts sent to the verifier per block when it verifies only some slots: `fixed` the first s of every "
+        "block (s is the setting; fractional: slot ⌊s⌋+1 in that share of blocks), `confidence` those whose calibrated survival reaches a threshold, `oracle` "
         "those whose true acceptance does (the ceiling). Each setting sends the fewest drafts with τ within "
         f"{fmt(budget['max_tau_loss'])} (relative) of verifying every slot on the fit samples; the figures are "
         "on the scored samples. A confidence head is worth scheduling on where it saves more than `fixed`.",

@@ -145,8 +145,8 @@ def test_verification_budget_hand_example():
 
     Verifying every slot: τ = 1 + ((0.9 + 0.81) + (0.1 + 0.01)) / 2 = 1.91, 2 drafts a block. Within a
     1% loss (τ ≥ 1.8909) the head can drop the hopeless block's second slot (τ 1.905, 1.5 drafts: 25%
-    saved); a fixed budget of 1 slot would drop the sure block's second slot too (τ 1.5), so it must
-    verify both."""
+    saved). A fixed budget of s = 1 + f slots has τ = 1.5 + f (0.81 + 0.01) / 2, within the loss from
+    f = 0.3909 / 0.41 = 0.9534 on: 1.96 slots on its grid of 1/100, 2% saved."""
     alpha = np.array([[0.9, 0.9], [0.1, 0.1]])
     mask = np.ones_like(alpha, bool)
     data = (logit(alpha), alpha, mask)
@@ -154,13 +154,14 @@ def test_verification_budget_hand_example():
     assert out["all_slots"] == pytest.approx({"tau": 1.91, "sent": 2.0})
     assert out["confidence"]["saved"] == pytest.approx(0.25) and out["confidence"]["tau"] == pytest.approx(1.905)
     assert out["confidence"]["tau_loss"] == pytest.approx(1 - 1.905 / 1.91)
-    assert out["fixed"]["saved"] == 0.0 and out["fixed"]["setting"] == 2.0
+    assert out["fixed"]["setting"] == pytest.approx(1.96) and out["fixed"]["saved"] == pytest.approx(0.02)
+    assert out["fixed"]["tau"] == pytest.approx(1.5 + 0.96 * 0.41)
     assert out["oracle"]["saved"] == pytest.approx(0.25)
-    # with no loss allowed nothing can be dropped; with a loss of 30% the fixed budget of 1 slot passes
+    # with no loss allowed nothing can be dropped; with 30% (τ ≥ 1.337) the fixed budget gets below one
+    # slot: τ = 1 + 0.5 s from s = 0.674 on, 0.68 on its grid
     assert cal.verification_budget(data, data, None, 0.0)["confidence"]["saved"] == 0.0
-    assert cal.verification_budget(data, data, None, 0.3)["fixed"] == pytest.approx(
-        {"setting": 1.0, "tau": 1.5, "tau_loss": 1 - 1.5 / 1.91, "sent": 1.0, "saved": 0.5}
-    )
+    loose = cal.verification_budget(data, data, None, 0.3)["fixed"]
+    assert loose["setting"] == pytest.approx(0.68) and loose["tau"] == pytest.approx(1.34)
 
 
 def test_verification_budget_picks_on_fit_and_reports_on_scored():
@@ -189,14 +190,16 @@ def test_verification_budget_ranks_schedules(seed):
     assert exact["confidence"]["saved"] == pytest.approx(exact["oracle"]["saved"], abs=0.02)
     noisy = (rng.normal(size=alpha.shape), alpha, mask)
     assert cal.verification_budget(noisy, noisy, None, 0.02)["confidence"]["saved"] <= exact["oracle"]["saved"] + 1e-9
-    # naive: the fixed schedule's τ and drafts sent at its setting, block by block
-    k = int(exact["fixed"]["setting"])
+    # naive: the fixed schedule's τ and drafts sent at its setting, block by block, its last slot
+    # verified in a share of the blocks
+    s = exact["fixed"]["setting"]
     taus, sent = [], []
     for a, m in zip(alpha, mask):
-        run, tau, n = 1.0, 1.0, 0
-        for j in range(min(k, int(m.sum()))):
+        run, tau, n = 1.0, 1.0, 0.0
+        for j in range(int(m.sum())):
+            share = min(1.0, max(0.0, s - j))
             run *= a[j]
-            tau, n = tau + run, n + 1
+            tau, n = tau + share * run, n + share
         taus.append(tau)
         sent.append(n)
     assert exact["fixed"]["tau"] == pytest.approx(np.mean(taus))
