@@ -55,7 +55,8 @@ def headline(report: dict) -> str:
             f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
             f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"])
         )
-        lines.append(budget_headline(c["budget"]))
+        if c.get("budget"):
+            lines.append(budget_headline(c["budget"]))
     if report.get("decode"):
         lines.append("speculative decoding (transformers):\n" + decode_headline(report["decode"]))
     for r in (report.get("online") or {}).get("runs", []):
