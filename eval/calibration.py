@@ -207,12 +207,17 @@ a prefix of the block); `oracle` thresholds the analytic survival y_k itself (th
 ranking)."""
 
 
+def _threshold_score(name: str, pred: np.ndarray, label: np.ndarray) -> np.ndarray:
+    """What a threshold schedule ranks slots by [n, B]: the head's survival, or the true one (oracle)."""
+    return pred if name == "confidence" else label
+
+
 def _settings(name: str, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> list[float]:
     """The settings a schedule is tried at: slot counts in steps of 1/100 for `fixed`, else thresholds
     (score quantiles)."""
     if name == "fixed":
         return np.linspace(0.0, mask.shape[1], 100 * mask.shape[1] + 1).tolist()
-    score = pred if name == "confidence" else label
+    score = _threshold_score(name, pred, label)
     return np.unique(np.quantile(score[mask], np.linspace(0.0, 1.0, 201))).tolist() if mask.any() else [0.0]
 
 
@@ -220,7 +225,7 @@ def _verified(name: str, setting: float, pred: np.ndarray, label: np.ndarray, ma
     """Share of each slot [n, B] one schedule verifies at `setting` (0 or 1 but for `fixed`'s last slot)."""
     if name == "fixed":
         return mask * np.clip(setting - np.arange(mask.shape[1]), 0.0, 1.0)[None]
-    return (mask & ((pred if name == "confidence" else label) >= setting)).astype(np.float64)
+    return (mask & (_threshold_score(name, pred, label) >= setting)).astype(np.float64)
 
 
 def verification_budget(

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from dspark.eval.calibration import SCHEDULES
+
 CARD_FILE = "README.md"
 ABSENT = "not recorded"
 # how the card names the drafter and a verifier known only by a local path
@@ -269,14 +271,15 @@ def _budget(budget: dict) -> list[str]:
             budget[name]["sent"],
             budget[name]["saved"],
         ]
-        for name in ("fixed", "confidence", "oracle")
+        for name in SCHEDULES
     ]
     return [
         "### Verification budget",
         "",
-        "Drafts sent to the verifier per block when it verifies only some slots: `fixed` the first s of every "
-        "block (s is the setting; fractional: slot ⌊s⌋+1 in that share of blocks), `confidence` those whose calibrated survival reaches a threshold, `oracle` "
-        "those whose true acceptance does (the ceiling). Each setting sends the fewest drafts with τ within "
+        "Drafts sent to the verifier per block when it verifies only some slots: `fixed` the first s of "
+        "every block (s is the setting; fractional: slot ⌊s⌋+1 in that share of blocks), `confidence` "
+        "those whose calibrated survival reaches a threshold, `oracle` those whose true acceptance does "
+        "(the ceiling). Each setting sends the fewest drafts with τ within "
         f"{fmt(budget['max_tau_loss'])} (relative) of verifying every slot on the fit samples; the figures are "
         "on the scored samples. A confidence head is worth scheduling on where it saves more than `fixed`.",
         "",
