@@ -234,6 +234,16 @@ def test_the_demo_picked_recipe_holds_the_two_levers_switched_off():
     assert picked == today
 
 
+def test_the_lever_benchmarks_schedule_is_the_demos_without_its_prompt_anchors():
+    """The demo trades in prompt anchors for its few reply tokens; the lever benchmarks judge that
+    lever, so their schedule must be the demo's with today's default anchors, nothing else."""
+    demo, bench = ablate.compose(["+experiment=demo"]), ablate.compose(["+experiment=lever-bench"])
+    assert demo.loss.train_on_prompt and not bench.loss.train_on_prompt
+    assert bench.loss.train_on_prompt == ablate.compose([]).loss.train_on_prompt
+    demo.loss.train_on_prompt = False
+    assert demo == bench
+
+
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablate")
