@@ -228,11 +228,31 @@ def _verified(name: str, setting: float, pred: np.ndarray, label: np.ndarray, ma
     return (mask & (_threshold_score(name, pred, label) >= setting)).astype(np.float64)
 
 
+BOOTSTRAP_ROUNDS = 2000
+"""Resamples of the scored conversations behind each verification-budget standard error."""
+
+
+def _conversation_bootstrap(
+    per_block: dict[str, np.ndarray], clusters: np.ndarray, stat, rounds: int, seed: int
+) -> np.ndarray:
+    """`stat(sums)` [rounds] over resamples of whole conversations (with replacement).
+
+    `per_block` maps a name to a per-block quantity [n]; `stat` gets each name's total over a resample
+    [rounds] (blocks of one conversation stay together: the bootstrap is clustered by conversation)."""
+    _, cluster_of = np.unique(np.asarray(clusters), return_inverse=True)
+    num = int(cluster_of.max()) + 1
+    weights = np.random.default_rng(seed).multinomial(num, np.full(num, 1.0 / num), size=rounds)  # [rounds, C]
+    sums = {k: weights @ np.bincount(cluster_of, weights=v, minlength=num) for k, v in per_block.items()}
+    return stat(sums)
+
+
 def verification_budget(
     fit: tuple[np.ndarray, np.ndarray, np.ndarray],
     scored: tuple[np.ndarray, np.ndarray, np.ndarray],
     temperatures: list[float] | None,
     max_tau_loss: float,
+    scored_conversations: np.ndarray | None = None,
+    seed: int = 0,
 ) -> dict:
     """Draft tokens a schedule spares the verifier at a bounded loss of acceptance length.
 
@@ -241,7 +261,12 @@ def verification_budget(
     (1 − max_tau_loss) of verifying every slot; the figures are that setting's on the scored samples:
     τ, drafts sent per block and the share of drafts saved, each against verifying every slot.
     This is the offline side of adaptive verification: vLLM picks the drafts to send from the same
-    survival P_k, weighed by step costs profiled on the serving GPU (`eval.decode` replays that rule)."""
+    survival P_k, weighed by step costs profiled on the serving GPU (`eval.decode` replays that rule).
+
+    With `scored_conversations` (the conversation of each scored block [n]) every schedule's `saved`
+    and `tau_loss` get a standard error (`saved_se`, `tau_loss_se`: a bootstrap over the scored
+    conversations, `BOOTSTRAP_ROUNDS` resamples from `seed`, the settings held fixed), and
+    `confidence_vs_fixed` is the head's paired lead over the fixed budget in drafts saved."""
 
     def parts(split):
         logits, alpha, slot_mask = split
@@ -252,6 +277,7 @@ def verification_budget(
     floor = (1.0 - max_tau_loss) * _truncated(fit_parts[2], fit_parts[1])[0]
     full_tau, full_sent = _truncated(scored_parts[2], scored_parts[1])
     out = {"max_tau_loss": max_tau_loss, "all_slots": {"tau": full_tau, "sent": full_sent}}
+    kept = {}
     for name in SCHEDULES:
         # the setting sending the fewest drafts on the fit samples within the loss (verifying every
         # slot always is), then applied as it is to the scored samples
@@ -265,7 +291,37 @@ def verification_budget(
             "sent": sent,
             "saved": 1.0 - sent / full_sent if full_sent else 0.0,
         }
+        kept[name] = _verified(name, setting, *scored_parts)
+    if scored_conversations is not None:
+        _budget_errors(out, kept, scored_parts, scored_conversations, seed)
     return out
+
+
+def _budget_errors(out: dict, kept: dict, scored_parts: tuple, conversations: np.ndarray, seed: int) -> None:
+    """Add the bootstrap SEs of `verification_budget` to `out` (each schedule's verified slots `kept`)."""
+    _, label, mask = scored_parts
+    per_block = {"blocks": np.ones(len(mask)), "accepted": (label * mask).sum(1), "sent": mask.sum(1, dtype=float)}
+    for name, keep in kept.items():
+        per_block[f"{name}.accepted"], per_block[f"{name}.sent"] = (label * keep).sum(1), keep.sum(1)
+
+    def stat(sums):
+        full_tau = 1.0 + sums["accepted"] / sums["blocks"]
+        return {
+            name: (
+                1.0 - (1.0 + sums[f"{name}.accepted"] / sums["blocks"]) / full_tau,
+                1.0 - sums[f"{name}.sent"] / np.maximum(sums["sent"], 1e-12),
+            )
+            for name in kept
+        }
+
+    draws = _conversation_bootstrap(per_block, conversations, stat, BOOTSTRAP_ROUNDS, seed)
+    for name, (tau_loss, saved) in draws.items():
+        out[name]["tau_loss_se"], out[name]["saved_se"] = float(tau_loss.std(ddof=1)), float(saved.std(ddof=1))
+    lead = draws["confidence"][1] - draws["fixed"][1]
+    out["confidence_vs_fixed"] = {
+        "saved": out["confidence"]["saved"] - out["fixed"]["saved"],
+        "se": float(lead.std(ddof=1)),
+    }
 
 
 def save_calibration(path: str | Path, temperatures: list[float], meta: dict) -> Path:

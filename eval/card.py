@@ -253,15 +253,24 @@ def _calibration(cal: dict) -> list[str]:
 def budget_headline(budget: dict) -> str:
     """One line: the share of drafts the confidence head spares the verifier, against a fixed budget."""
     conf, fixed = budget["confidence"], budget["fixed"]
-    return (
+    line = (
         f"verification budget (tau loss <= {budget['max_tau_loss']:.0%} on the fit samples): the confidence "
-        f"head saves {conf['saved']:.1%} of drafts (tau loss {conf['tau_loss']:.2%}), a fixed budget "
-        f"{fixed['saved']:.1%} (tau loss {fixed['tau_loss']:.2%}), the oracle {budget['oracle']['saved']:.1%}"
+        f"head saves {_share(conf)} of drafts (tau loss {conf['tau_loss']:.2%}), a fixed budget "
+        f"{_share(fixed)} (tau loss {fixed['tau_loss']:.2%}), the oracle {_share(budget['oracle'])}"
     )
+    lead = budget.get("confidence_vs_fixed")
+    return line if lead is None else f"{line}; the head's lead {lead['saved']:+.1%} ± {lead['se']:.1%}"
+
+
+def _share(schedule: dict) -> str:
+    """A schedule's share of drafts saved, with its SE where the budget has one."""
+    se = schedule.get("saved_se")
+    return f"{schedule['saved']:.1%}" + ("" if se is None else f" ± {se:.1%}")
 
 
 def _budget(budget: dict) -> list[str]:
-    rows = [["every slot", None, budget["all_slots"]["tau"], None, budget["all_slots"]["sent"], None]]
+    lead = budget.get("confidence_vs_fixed")
+    rows = [["every slot", None, budget["all_slots"]["tau"], None, budget["all_slots"]["sent"], None, None]]
     rows += [
         [
             name,
@@ -270,6 +279,7 @@ def _budget(budget: dict) -> list[str]:
             budget[name]["tau_loss"],
             budget[name]["sent"],
             budget[name]["saved"],
+            budget[name].get("saved_se"),
         ]
         for name in SCHEDULES
     ]
@@ -281,9 +291,11 @@ def _budget(budget: dict) -> list[str]:
         "those whose calibrated survival reaches a threshold, `oracle` those whose true acceptance does "
         "(the ceiling). Each setting sends the fewest drafts with τ within "
         f"{fmt(budget['max_tau_loss'])} (relative) of verifying every slot on the fit samples; the figures are "
-        "on the scored samples. A confidence head is worth scheduling on where it saves more than `fixed`.",
+        "on the scored samples, each SE a bootstrap over the scored conversations. A confidence head is "
+        "worth scheduling on where it saves more than `fixed`"
+        + ("." if lead is None else f": here {fmt(lead['saved'])} ± {fmt(lead['se'])} of the drafts (paired)."),
         "",
-        *_table(["schedule", "setting", "τ", "τ loss", "drafts sent", "saved"], rows),
+        *_table(["schedule", "setting", "τ", "τ loss", "drafts sent", "saved", "saved SE"], rows),
     ]
 
 

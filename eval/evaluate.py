@@ -122,6 +122,8 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
             (scored.conf_logits, scored.alpha, scored.slot_mask),
             temps,
             cfg.max_tau_loss,
+            scored_conversations=scored.sample_id,
+            seed=seed,
         ),
     }
 

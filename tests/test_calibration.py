@@ -205,3 +205,55 @@ def test_verification_budget_ranks_schedules(seed):
     assert exact["fixed"]["tau"] == pytest.approx(np.mean(taus))
     assert exact["fixed"]["saved"] == pytest.approx(1 - np.mean(sent) / mask.sum(1).mean())
     assert exact["fixed"]["tau_loss"] <= 0.02 + 1e-9  # fit == scored here
+
+
+def _random_blocks(rng, n, block=4):
+    alpha = rng.beta(2, 3, size=(n, block))
+    mask = np.arange(block)[None] < rng.integers(1, block + 1, size=(n, 1))
+    head = logit(np.clip(alpha + rng.normal(0, 0.2, size=alpha.shape), 0.02, 0.98))
+    return head, alpha, mask
+
+
+def test_verification_budget_se_matches_the_clustered_delta_method():
+    """The bootstrap SE of the share saved (a ratio of sums) against the linearized (delta-method)
+    SE clustered by conversation, computed independently by `bench.ablate_stats`; the head's lead over
+    the fixed budget is paired (its SE is that of the per-block difference, not the sum of the two)."""
+    from bench.ablate_stats import clustered_mean_se
+
+    rng = np.random.default_rng(3)
+    fit, scored = _random_blocks(rng, 400), _random_blocks(rng, 400)
+    conversations = np.repeat(np.arange(40), 10)
+    out = cal.verification_budget(fit, scored, None, 0.02, scored_conversations=conversations)
+    _, alpha, mask = scored
+    full = mask.sum(1).astype(float)
+
+    surv_head = cal.prefix_survival(cal.sigmoid(scored[0]), mask)
+    setting = out["confidence"]["setting"]
+    sent_conf = (mask & (surv_head >= setting)).sum(1).astype(float)
+    ratio = sent_conf.sum() / full.sum()
+    assert out["confidence"]["saved"] == pytest.approx(1 - ratio)
+    _, delta_se = clustered_mean_se((sent_conf - ratio * full) / full.mean(), conversations)
+    assert out["confidence"]["saved_se"] == pytest.approx(delta_se, rel=0.15)
+    fixed = out["fixed"]["setting"]
+    sent_fixed = (mask * np.clip(fixed - np.arange(4), 0, 1)[None]).sum(1)
+    lead_ratio = (sent_fixed.sum() - sent_conf.sum()) / full.sum()
+    lead = (sent_fixed - sent_conf - lead_ratio * full) / full.mean()
+    _, lead_se = clustered_mean_se(lead, conversations)
+    assert out["confidence_vs_fixed"]["saved"] == pytest.approx(out["confidence"]["saved"] - out["fixed"]["saved"])
+    assert out["confidence_vs_fixed"]["se"] == pytest.approx(lead_se, rel=0.15)
+    assert out["oracle"]["saved_se"] > 0 and out["fixed"]["tau_loss_se"] > 0
+
+
+def test_verification_budget_se_is_clustered_by_conversation():
+    """Ten copies of each block: counted as one conversation the copies add nothing (the SE stays that
+    of the originals), counted as ten conversations they shrink it by about √10."""
+    rng = np.random.default_rng(4)
+    fit, scored = _random_blocks(rng, 300), _random_blocks(rng, 60)
+    copies = tuple(np.repeat(a, 10, axis=0) for a in scored)
+    once = cal.verification_budget(fit, scored, None, 0.02, scored_conversations=np.arange(60))
+    together = cal.verification_budget(fit, copies, None, 0.02, scored_conversations=np.repeat(np.arange(60), 10))
+    apart = cal.verification_budget(fit, copies, None, 0.02, scored_conversations=np.arange(600))
+    assert together["confidence"]["saved"] == pytest.approx(once["confidence"]["saved"])
+    assert together["confidence"]["saved_se"] == pytest.approx(once["confidence"]["saved_se"], rel=0.1)
+    assert apart["confidence"]["saved_se"] == pytest.approx(once["confidence"]["saved_se"] / np.sqrt(10), rel=0.15)
+    assert "saved_se" not in cal.verification_budget(fit, scored, None, 0.02)["confidence"]

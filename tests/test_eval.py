@@ -206,8 +206,9 @@ def test_stage_end_to_end(setup):
     budget = report["calibration"]["budget"]
     for name in ("fixed", "confidence", "oracle"):  # a setting never sends more than every slot
         assert 0.0 <= budget[name]["saved"] <= 1.0 and budget[name]["sent"] <= budget["all_slots"]["sent"]
+        assert budget[name]["saved_se"] >= 0.0  # bootstrapped over the scored conversations
     assert "### Verification budget" in (setup.drafter / "README.md").read_text()
-    assert "verification budget" in headline(report)
+    assert "verification budget" in headline(report) and "the head's lead" in headline(report)
     assert report["training"]["steps"] == 20 and len(report["training"]["curves"]["train loss"]) == 20
     assert report["data"]["heldout_store"]["samples"] == 8
     assert (setup.drafter / "README.md").is_file()
