@@ -205,25 +205,27 @@ def build_setup(root: Path, n_samples: int = 8) -> EvalSetup:
     return EvalSetup(root, verifier_dir, store, root / "data", root / "run", drafter)
 
 
+def setup_overrides(setup: EvalSetup) -> list[str]:
+    """`python -m eval` overrides that point the stage at the setup (its drafter aside)."""
+    return [
+        "target.name=tiny",
+        f"target.name_or_path={setup.verifier_dir}",
+        "target.aux_layer_ids=[1,2,3]",
+        "target.max_model_len=512",
+        f"paths.root={setup.root}",
+        f"eval.store={setup.store}",
+        f"eval.data_dir={setup.data_dir}",
+        f"eval.out_dir={setup.root / 'eval'}",
+        "eval.online.enabled=false",
+        "eval.decode.enabled=false",
+    ]
+
+
 def compose_cfg(setup: EvalSetup, *overrides: str, config_name: str = "eval"):
     """The stage's real Hydra config with the setup's paths."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(
-            config_name=config_name,
-            overrides=[
-                f"drafter={setup.drafter}",
-                "target.name=tiny",
-                f"target.name_or_path={setup.verifier_dir}",
-                "target.aux_layer_ids=[1,2,3]",
-                "target.max_model_len=512",
-                f"paths.root={setup.root}",
-                f"eval.store={setup.store}",
-                f"eval.data_dir={setup.data_dir}",
-                f"eval.out_dir={setup.root / 'eval'}",
-                "eval.online.enabled=false",
-                "eval.decode.enabled=false",
-                *overrides,
-            ],
+            config_name=config_name, overrides=[f"drafter={setup.drafter}", *setup_overrides(setup), *overrides]
         )
 
 

@@ -1,0 +1,162 @@
+"""What a confidence head could rank on a trained draft's features: probes fitted on a frozen trunk.
+
+vLLM's DSpark confidence head is one linear map of the draft's final hidden state and (with
+`confidence_head_with_markov`) the Markov head's previous-token embedding. This asks how much of
+the acceptance those features carry: on the held-out store, the features the head reads are
+captured (a forward pre-hook on the head), and probes are fitted on the calibration's fit
+conversations and scored on the others, by the same AUROC (`eval.calibration`) against the same
+analytic acceptance. Each feature set (the hidden state, the Markov embedding, both) gets a linear
+probe (what vLLM can serve) and a one-hidden-layer MLP (what it cannot), both with a bias per block
+position. A probe near the trained head says the trunk's features, not the head's training, bound
+its ranking; a probe well above it says the head is under-trained.
+
+    python -m bench.confidence_probe drafter=DIR bench_data=NAME out=FILE.json [steps=1000]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench import write_figures
+from bench.ablate_record import file_fingerprint, store_fingerprint
+from dspark.entry import script_main
+from dspark.errors import UserError
+from dspark.eval import calibration as cal
+from dspark.eval.config import EvalConfig
+from dspark.eval.offline import BlockTable
+
+MLP_WIDTH = 64
+
+
+def fit_probe(
+    features: torch.Tensor, alpha: np.ndarray, mask: np.ndarray, fit: np.ndarray, width: int, steps: int, seed: int
+) -> np.ndarray:
+    """Logits [n, B] of a probe fitted by BCE against α on the `fit` blocks.
+
+    features: [n, B, F] (standardized on the fit blocks here); alpha, mask: [n, B]; fit: [n] bool.
+    `width` 0 is a linear probe, else an MLP of that width; both add a bias per position."""
+    torch.manual_seed(seed)
+    x = features.float()
+    mean, std = x[fit].flatten(0, 1).mean(0), x[fit].flatten(0, 1).std(0) + 1e-6
+    x = (x - mean) / std
+    dim = x.shape[-1]
+    net = (
+        torch.nn.Linear(dim, 1)
+        if width == 0
+        else torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
+    )
+    position_bias = torch.zeros(x.shape[1], requires_grad=True)
+    opt = torch.optim.AdamW([*net.parameters(), position_bias], lr=1e-2, weight_decay=0.01)
+    y, weight = torch.from_numpy(alpha[fit]).float(), torch.from_numpy(mask[fit]).float()
+    for _ in range(steps):
+        logits = net(x[fit]).squeeze(-1) + position_bias
+        loss = (F.binary_cross_entropy_with_logits(logits, y, reduction="none") * weight).sum() / weight.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return (net(x).squeeze(-1) + position_bias).double().numpy()
+
+
+def per_position_auroc(logits: np.ndarray, alpha: np.ndarray, mask: np.ndarray) -> list[float]:
+    """AUROC of the predicted prefix survival per block position (`eval.calibration`)."""
+    return [p["auroc"] for p in cal.confidence_quality(logits, alpha, mask, None, 10)["per_position"]]
+
+
+def probe_table(
+    features: dict[str, torch.Tensor], alpha: np.ndarray, mask: np.ndarray, fit: np.ndarray, steps: int
+) -> dict:
+    """{feature set: {linear, mlp: per-position AUROC on the non-fit blocks}}."""
+    scored = ~fit
+    return {
+        name: {
+            kind: per_position_auroc(
+                fit_probe(x, alpha, mask, fit, width, steps, seed=0)[scored], alpha[scored], mask[scored]
+            )
+            for kind, width in (("linear", 0), ("mlp", MLP_WIDTH))
+        }
+        for name, x in features.items()
+    }
+
+
+def capture(drafter: str, overrides: list[str]) -> tuple[dict[str, torch.Tensor], BlockTable, EvalConfig, dict]:
+    """The held-out BlockTable of `drafter`, the features its confidence head read [n, B, F] and the
+    eval config, under `python -m eval`'s config with `overrides`."""
+    import hydra
+
+    from dspark.config import HeldoutConfig, TargetConfig, load_section
+    from dspark.entry import CONF_DIR
+    from dspark.eval.evaluate import load_checked
+    from dspark.eval.offline import evaluate_store
+
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = hydra.compose(config_name="eval", overrides=[f"drafter={drafter}", *overrides])
+    target, ecfg = load_section(TargetConfig, cfg, "target"), load_section(EvalConfig, cfg, "eval")
+    heldout = load_section(HeldoutConfig, cfg, "heldout")
+    draft, verifier, store, _ = load_checked(drafter, target, ecfg.store)
+    if draft.confidence_head is None:
+        raise UserError(f"drafter={drafter} has no confidence head: nothing to probe")
+    seen: list[torch.Tensor] = []
+    draft.confidence_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().cpu()))
+    table = evaluate_store(draft, verifier, store, heldout, torch.device("cpu"), heldout.max_samples)
+    hidden = draft.layer_config.hidden_size
+    both = torch.cat(seen)
+    features = {"hidden": both[..., :hidden], "both": both}
+    if both.shape[-1] > hidden:
+        features["markov"] = both[..., hidden:]
+    return features, table, ecfg, {"seed": heldout.seed}
+
+
+def main(argv: list[str]) -> int:
+    args = dict(
+        a.split("=", 1) for a in argv if "=" in a and a.split("=", 1)[0] in {"drafter", "bench_data", "out", "steps"}
+    )
+    rest = [a for a in argv if a.split("=", 1)[0] not in args]
+    if not {"drafter", "bench_data", "out"} <= set(args):
+        raise UserError(
+            "usage: python -m bench.confidence_probe drafter=DIR bench_data=NAME out=FILE.json [steps=N] [eval overrides]"
+        )
+    from bench import lever_data
+    from dspark.eval.evaluate import split_samples
+
+    manifest = lever_data.load_manifest(lever_data.bench_dir(args["bench_data"]))
+    record = lever_data.materialize(args["bench_data"])
+    store = record["stores"]["eval"]["path"]
+    overrides = [*manifest["target"]["overrides"], f"eval.store={store}", *rest]
+    features, table, ecfg, heldout = capture(args["drafter"], overrides)
+    fit_ids, _ = split_samples(table.sample_id, ecfg.calibration.fit_fraction, heldout["seed"])
+    fit = np.isin(table.sample_id, fit_ids)
+    scored = ~fit
+    figures = {
+        "drafter": args["drafter"],
+        "drafter_model_safetensors_sha256": file_fingerprint(f"{args['drafter']}/model.safetensors"),
+        "eval_store": store,
+        "eval_store_fingerprint": store_fingerprint(store),
+        "fit_conversations": int(fit_ids.size),
+        "scored_conversations": int(np.unique(table.sample_id[scored]).size),
+        "auroc_ceiling": [
+            p["auroc_ceiling"]
+            for p in cal.confidence_quality(
+                table.conf_logits[scored], table.alpha[scored], table.slot_mask[scored], None, 10
+            )["per_position"]
+        ],
+        "trained_head": per_position_auroc(table.conf_logits[scored], table.alpha[scored], table.slot_mask[scored]),
+        "probes": probe_table(features, table.alpha, table.slot_mask, fit, int(args.get("steps", 1000))),
+    }
+    out = Path(args["out"])
+    write_figures(out.parent, out.stem, figures)
+    print(
+        f"trained head: {[round(a, 3) for a in figures['trained_head']]} (ceiling {[round(a, 3) for a in figures['auroc_ceiling']]})"
+    )
+    for name, kinds in figures["probes"].items():
+        for kind, aurocs in kinds.items():
+            print(f"{name:>7} {kind:>6}: {[round(a, 3) for a in aurocs]}")
+    return 0
+
+
+if __name__ == "__main__":
+    script_main(main)

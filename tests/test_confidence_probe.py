@@ -1,0 +1,52 @@
+"""The confidence probes of `bench.confidence_probe` on blocks whose acceptance is known, and the
+capture of a real drafter's head inputs on a held-out store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from eval_fixtures import build_setup, setup_overrides
+
+from bench.confidence_probe import capture, fit_probe, per_position_auroc, probe_table
+
+
+def known_blocks(n=600, block=4, dim=8, seed=0):
+    """Features [n, B, dim]; α = sigmoid(3·x₀ − 0.5·k): only the first feature (and the position) matter."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, block, dim))
+    alpha = 1 / (1 + np.exp(-(3 * x[..., 0] - 0.5 * np.arange(block))))
+    mask = np.ones((n, block), bool)
+    return torch.from_numpy(x), alpha, mask, np.arange(n) < n // 2
+
+
+def test_linear_probe_finds_a_linear_signal_and_noise_finds_none():
+    x, alpha, mask, fit = known_blocks()
+    truth = per_position_auroc(np.log(alpha / (1 - alpha))[~fit], alpha[~fit], mask[~fit])
+    table = probe_table({"signal": x, "noise": x[..., 1:]}, alpha, mask, fit, steps=1000)
+    for got, best in zip(table["signal"]["linear"], truth):
+        assert got == pytest.approx(best, abs=0.02)  # ranks as the true acceptance does
+    assert all(abs(a - 0.5) < 0.08 for a in table["noise"]["linear"][:1])  # position 1: nothing to rank by
+    assert set(table["noise"]) == {"linear", "mlp"}
+
+
+def test_probe_is_fitted_on_the_fit_blocks_only():
+    """Labels of the scored blocks inverted: a probe that saw them could not rank them well."""
+    x, alpha, mask, fit = known_blocks(seed=1)
+    alpha = alpha.copy()
+    alpha[~fit] = 1 - alpha[~fit]
+    logits = fit_probe(x, alpha, mask, fit, width=0, steps=1000, seed=0)
+    assert per_position_auroc(logits[~fit], alpha[~fit], mask[~fit])[0] < 0.2
+
+
+def test_capture_reads_what_the_head_reads(tmp_path):
+    """The captured features, through the drafter's own head, give back the logits the scorer recorded."""
+    setup = build_setup(tmp_path)
+    features, table, _, _ = capture(str(setup.drafter), setup_overrides(setup))
+    from dspark.export import load_drafter
+
+    head = load_drafter(setup.drafter).confidence_head
+    with torch.no_grad():
+        again = head(features["both"].float()).double().numpy()
+    np.testing.assert_allclose(again, table.conf_logits, rtol=1e-4, atol=1e-4)
+    assert features["both"].shape[:2] == table.alpha.shape
