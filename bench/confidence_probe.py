@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from bench import write_figures
 from bench.ablate_record import file_fingerprint, store_fingerprint
+from dspark.config import HeldoutConfig
 from dspark.entry import script_main
 from dspark.errors import UserError
 from dspark.eval import calibration as cal
@@ -83,12 +84,14 @@ def probe_table(
     }
 
 
-def capture(drafter: str, overrides: list[str]) -> tuple[dict[str, torch.Tensor], BlockTable, EvalConfig, dict]:
-    """The held-out BlockTable of `drafter`, the features its confidence head read [n, B, F] and the
-    eval config, under `python -m eval`'s config with `overrides`."""
+def capture(
+    drafter: str, overrides: list[str]
+) -> tuple[dict[str, torch.Tensor], BlockTable, EvalConfig, HeldoutConfig]:
+    """The features the confidence head of `drafter` read [n, B, F] on the held-out store, the scored
+    BlockTable, and the eval and held-out configs, under `python -m eval`'s config with `overrides`."""
     import hydra
 
-    from dspark.config import HeldoutConfig, TargetConfig, load_section
+    from dspark.config import TargetConfig, load_section
     from dspark.entry import CONF_DIR
     from dspark.eval.evaluate import load_checked
     from dspark.eval.offline import evaluate_store
@@ -108,7 +111,7 @@ def capture(drafter: str, overrides: list[str]) -> tuple[dict[str, torch.Tensor]
     features = {"hidden": both[..., :hidden], "both": both}
     if both.shape[-1] > hidden:
         features["markov"] = both[..., hidden:]
-    return features, table, ecfg, {"seed": heldout.seed}
+    return features, table, ecfg, heldout
 
 
 def main(argv: list[str]) -> int:
@@ -128,9 +131,10 @@ def main(argv: list[str]) -> int:
     store = record["stores"]["eval"]["path"]
     overrides = [*manifest["target"]["overrides"], f"eval.store={store}", *rest]
     features, table, ecfg, heldout = capture(args["drafter"], overrides)
-    fit_ids, _ = split_samples(table.sample_id, ecfg.calibration.fit_fraction, heldout["seed"])
+    fit_ids, _ = split_samples(table.sample_id, ecfg.calibration.fit_fraction, heldout.seed)
     fit = np.isin(table.sample_id, fit_ids)
     scored = ~fit
+    head = cal.confidence_quality(table.conf_logits[scored], table.alpha[scored], table.slot_mask[scored], None, 10)
     figures = {
         "drafter": args["drafter"],
         "drafter_model_safetensors_sha256": file_fingerprint(f"{args['drafter']}/model.safetensors"),
@@ -138,13 +142,8 @@ def main(argv: list[str]) -> int:
         "eval_store_fingerprint": store_fingerprint(store),
         "fit_conversations": int(fit_ids.size),
         "scored_conversations": int(np.unique(table.sample_id[scored]).size),
-        "auroc_ceiling": [
-            p["auroc_ceiling"]
-            for p in cal.confidence_quality(
-                table.conf_logits[scored], table.alpha[scored], table.slot_mask[scored], None, 10
-            )["per_position"]
-        ],
-        "trained_head": per_position_auroc(table.conf_logits[scored], table.alpha[scored], table.slot_mask[scored]),
+        "auroc_ceiling": [p["auroc_ceiling"] for p in head["per_position"]],
+        "trained_head": [p["auroc"] for p in head["per_position"]],
         "probes": probe_table(features, table.alpha, table.slot_mask, fit, int(args.get("steps", 1000))),
     }
     out = Path(args["out"])

@@ -233,17 +233,16 @@ BOOTSTRAP_ROUNDS = 2000
 
 
 def _conversation_bootstrap(
-    per_block: dict[str, np.ndarray], clusters: np.ndarray, stat, rounds: int, seed: int
-) -> np.ndarray:
-    """`stat(sums)` [rounds] over resamples of whole conversations (with replacement).
+    per_block: dict[str, np.ndarray], clusters: np.ndarray, rounds: int, seed: int
+) -> dict[str, np.ndarray]:
+    """Each per-block quantity's total [rounds] over resamples of whole conversations (with replacement).
 
-    `per_block` maps a name to a per-block quantity [n]; `stat` gets each name's total over a resample
-    [rounds] (blocks of one conversation stay together: the bootstrap is clustered by conversation)."""
+    `per_block` maps a name to a per-block quantity [n]; blocks of one conversation (`clusters` [n])
+    stay together, so the bootstrap is clustered by conversation."""
     _, cluster_of = np.unique(np.asarray(clusters), return_inverse=True)
     num = int(cluster_of.max()) + 1
     weights = np.random.default_rng(seed).multinomial(num, np.full(num, 1.0 / num), size=rounds)  # [rounds, C]
-    sums = {k: weights @ np.bincount(cluster_of, weights=v, minlength=num) for k, v in per_block.items()}
-    return stat(sums)
+    return {k: weights @ np.bincount(cluster_of, weights=v, minlength=num) for k, v in per_block.items()}
 
 
 def verification_budget(
@@ -304,20 +303,13 @@ def _budget_errors(out: dict, kept: dict, scored_parts: tuple, conversations: np
     for name, keep in kept.items():
         per_block[f"{name}.accepted"], per_block[f"{name}.sent"] = (label * keep).sum(1), keep.sum(1)
 
-    def stat(sums):
-        full_tau = 1.0 + sums["accepted"] / sums["blocks"]
-        return {
-            name: (
-                1.0 - (1.0 + sums[f"{name}.accepted"] / sums["blocks"]) / full_tau,
-                1.0 - sums[f"{name}.sent"] / np.maximum(sums["sent"], 1e-12),
-            )
-            for name in kept
-        }
-
-    draws = _conversation_bootstrap(per_block, conversations, stat, BOOTSTRAP_ROUNDS, seed)
-    for name, (tau_loss, saved) in draws.items():
-        out[name]["tau_loss_se"], out[name]["saved_se"] = float(tau_loss.std(ddof=1)), float(saved.std(ddof=1))
-    lead = draws["confidence"][1] - draws["fixed"][1]
+    sums = _conversation_bootstrap(per_block, conversations, BOOTSTRAP_ROUNDS, seed)  # each [rounds]
+    full_tau = 1.0 + sums["accepted"] / sums["blocks"]
+    saved = {name: 1.0 - sums[f"{name}.sent"] / np.maximum(sums["sent"], 1e-12) for name in kept}
+    for name in kept:
+        tau_loss = 1.0 - (1.0 + sums[f"{name}.accepted"] / sums["blocks"]) / full_tau
+        out[name]["tau_loss_se"], out[name]["saved_se"] = float(tau_loss.std(ddof=1)), float(saved[name].std(ddof=1))
+    lead = saved["confidence"] - saved["fixed"]
     out["confidence_vs_fixed"] = {
         "saved": out["confidence"]["saved"] - out["fixed"]["saved"],
         "se": float(lead.std(ddof=1)),
