@@ -50,3 +50,22 @@ def test_capture_reads_what_the_head_reads(tmp_path):
         again = head(features["both"].float()).double().numpy()
     np.testing.assert_allclose(again, table.conf_logits, rtol=1e-4, atol=1e-4)
     assert features["both"].shape[:2] == table.alpha.shape
+
+
+def test_confidence_report_records_the_head_and_its_provenance(tmp_path):
+    """`bench.confidence_report` on a real drafter and held-out store: the eval's calibration section,
+    the budget with its SEs, and the hashes that make the file re-makeable."""
+    from bench.ablate_record import file_fingerprint, store_fingerprint
+    from bench.confidence_report import confidence_figures
+
+    setup = build_setup(tmp_path)
+    figures = confidence_figures(str(setup.drafter), setup_overrides(setup))
+    assert figures["drafter_model_safetensors_sha256"] == file_fingerprint(f"{setup.drafter}/model.safetensors")
+    assert figures["eval_store_fingerprint"] == store_fingerprint(str(setup.store))
+    assert "eval.online.enabled=false" in figures["command"] and figures["command"].count("eval.out_dir") == 0
+    positions = figures["calibration"]["before"]["per_position"]
+    assert len(positions) == 4 and all(0.0 <= p["auroc"] <= 1.0 for p in positions)
+    budget = figures["calibration"]["budget"]
+    assert budget["confidence"]["saved_se"] >= 0 and "se" in budget["confidence_vs_fixed"]
+    assert figures["offline_tau"] >= 1.0
+    assert not (setup.drafter / "calibration.json").exists()  # the drafter is read, not changed
