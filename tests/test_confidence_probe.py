@@ -8,7 +8,7 @@ import pytest
 import torch
 from eval_fixtures import build_setup, setup_overrides
 
-from bench.confidence_probe import capture, fit_probe, per_position_auroc, probe_table
+from bench.confidence_probe import capture, fit_probe, per_position_auroc, probe_table, refit_head
 
 
 def known_blocks(n=600, block=4, dim=8, seed=0):
@@ -39,10 +39,29 @@ def test_probe_is_fitted_on_the_fit_blocks_only():
     assert per_position_auroc(logits[~fit], alpha[~fit], mask[~fit])[0] < 0.2
 
 
+def test_refit_head_is_one_servable_map_that_finds_the_signal():
+    """The refit is one weight vector and bias for every position (what vLLM serves), fitted on all
+    the blocks it is given, and ranks as the true acceptance does where a shared map can."""
+    x, alpha, mask, fit = known_blocks(seed=2)
+    weight, bias = refit_head(x[fit], alpha[fit], mask[fit])
+    assert weight.shape == (x.shape[-1],) and bias.shape == ()
+    logits = (x.double() @ weight + bias).numpy()
+    truth = per_position_auroc(np.log(alpha / (1 - alpha))[~fit], alpha[~fit], mask[~fit])
+    assert per_position_auroc(logits[~fit], alpha[~fit], mask[~fit])[0] == pytest.approx(truth[0], abs=0.02)
+    assert weight[0].abs() > 5 * weight[1:].abs().max()  # the signal's feature, in the original units
+    masked = mask.copy()
+    masked[:, 1:] = False  # slots past the first left out of the fit: the fit must not read them
+    flipped = alpha.copy()
+    flipped[:, 1:] = 1 - flipped[:, 1:]
+    again, _ = refit_head(x, flipped, masked)
+    np.testing.assert_allclose(again.numpy(), refit_head(x, alpha, masked)[0].numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_capture_reads_what_the_head_reads(tmp_path):
-    """The captured features, through the drafter's own head, give back the logits the scorer recorded."""
+    """The captured features, through the drafter's own head, give back the logits the scorer recorded,
+    on the held-out store and on the store a refit reads."""
     setup = build_setup(tmp_path)
-    features, table, _, _ = capture(str(setup.drafter), setup_overrides(setup))
+    features, table, _, _, refit = capture(str(setup.drafter), setup_overrides(setup), str(setup.store), 3)
     from dspark.export import load_drafter
 
     head = load_drafter(setup.drafter).confidence_head
@@ -50,6 +69,12 @@ def test_capture_reads_what_the_head_reads(tmp_path):
         again = head(features["both"].float()).double().numpy()
     np.testing.assert_allclose(again, table.conf_logits, rtol=1e-4, atol=1e-4)
     assert features["both"].shape[:2] == table.alpha.shape
+    refit_features, refit_table = refit
+    assert np.unique(refit_table.sample_id).size == 3  # the first 3 samples only
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            head(refit_features.float()).double().numpy(), refit_table.conf_logits, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_confidence_report_records_the_head_and_its_provenance(tmp_path):
