@@ -82,6 +82,7 @@ def assert_one_complete_drafter(out: Path, verifier: VerifierHead, exported: set
     return step
 
 
+@pytest.mark.slow  # a kill loop of export subprocesses, ~40 s on 2 cores: make test, not make test-fast
 def test_sigkill_during_export_always_leaves_a_complete_drafter(verifier, tiny_qwen3_dir, tmp_path):
     script = tmp_path / "export_loop.py"
     script.write_text(CHILD)
