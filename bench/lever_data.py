@@ -352,6 +352,18 @@ def materialize(
     return record
 
 
+def eval_overrides(name: str) -> tuple[dict, list[str]]:
+    """Benchmark `name`'s record (its stores built or reused) and the `python -m eval` overrides that
+    point the stage at its verifier and held-out split."""
+    manifest = load_manifest(bench_dir(name))
+    record = materialize(name)
+    return record, [
+        *manifest["target"]["overrides"],
+        f"eval.store={record['stores']['eval']['path']}",
+        f"eval.data_dir={record['data_dir']}",
+    ]
+
+
 def train_overrides(record: dict) -> list[str]:
     """Overrides of `python -m train` that point a run at a materialized benchmark."""
     return [

@@ -94,3 +94,20 @@ def test_confidence_report_records_the_head_and_its_provenance(tmp_path):
     assert budget["confidence"]["saved_se"] >= 0 and "se" in budget["confidence_vs_fixed"]
     assert figures["offline_tau"] >= 1.0
     assert not (setup.drafter / "calibration.json").exists()  # the drafter is read, not changed
+
+
+def test_bench_scripts_split_their_own_arguments_from_the_overrides():
+    from bench import split_args
+    from dspark.errors import UserError
+
+    args, rest = split_args(
+        ["drafter=d", "steps=5", "heldout.seed=1", "out=o.json"],
+        {"drafter", "out", "steps"},
+        {"drafter", "out"},
+        "python -m x drafter=DIR out=FILE",
+    )
+    assert args == {"drafter": "d", "steps": "5", "out": "o.json"} and rest == ["heldout.seed=1"]
+    with pytest.raises(UserError, match="usage: python -m x drafter=DIR out=FILE"):
+        split_args(
+            ["drafter=d", "heldout.seed=1"], {"drafter", "out"}, {"drafter", "out"}, "python -m x drafter=DIR out=FILE"
+        )
