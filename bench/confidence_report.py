@@ -15,7 +15,7 @@ import datetime
 import tempfile
 from pathlib import Path
 
-from bench import split_args, write_figures
+from bench import write_figures
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
 from dspark.errors import UserError
@@ -62,14 +62,9 @@ def confidence_figures(drafter: str, overrides: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     from bench import lever_data
 
-    args, rest = split_args(
-        argv,
-        {"drafter", "bench_data", "out"},
-        {"drafter", "bench_data", "out"},
-        "python -m bench.confidence_report drafter=DIR bench_data=NAME out=FILE.json [overrides]",
+    args, _, overrides = lever_data.report_args(
+        argv, "python -m bench.confidence_report drafter=DIR bench_data=NAME out=FILE.json [overrides]"
     )
-    _, overrides = lever_data.eval_overrides(args["bench_data"])
-    overrides = [*overrides, *rest]
     figures = confidence_figures(args["drafter"], overrides)
     out = Path(args["out"])
     write_figures(out.parent, out.stem, figures)

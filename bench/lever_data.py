@@ -364,6 +364,18 @@ def eval_overrides(name: str) -> tuple[dict, list[str]]:
     ]
 
 
+def report_args(argv: list[str], usage: str) -> tuple[dict[str, str], dict, list[str]]:
+    """A per-drafter report script's `drafter=`, `bench_data=` and `out=` (all required; `usage` when
+    one is missing), its benchmark's record, and the `python -m eval` overrides for it followed by the
+    script's other arguments."""
+    from bench import split_args
+
+    keys = {"drafter", "bench_data", "out"}
+    args, rest = split_args(argv, keys, keys, usage)
+    record, overrides = eval_overrides(args["bench_data"])
+    return args, record, [*overrides, *rest]
+
+
 def train_overrides(record: dict) -> list[str]:
     """Overrides of `python -m train` that point a run at a materialized benchmark."""
     return [
