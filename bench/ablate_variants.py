@@ -4,6 +4,11 @@ A variant is a list of Hydra overrides of `python -m train` on the file's `recip
 entry `@other` stands for variant `other` (its recipe and overrides), or a mapping
 `{recipe: NAME, overrides: [...], against: VARIANT}`. `against` is the reference the variant's
 decision is measured against; it defaults to the first variant it builds on with `@`.
+
+A file may `extends: OTHER.yaml` (a path relative to it): its keys replace the other file's and its
+variants are added to the other file's (one of the same name replaced), so a second table shares the
+first one's settings and lever definitions instead of repeating them; `only: [names]` then picks the
+variants the file runs, in that order (the others stay available to `@`).
 """
 
 from __future__ import annotations
@@ -33,15 +38,32 @@ FILE_KEYS = {
     "variants",
 }
 # Keys a variant file may leave out, with their defaults.
-OPTIONAL_KEYS = {"bench_data": None}
+OPTIONAL_KEYS = {"bench_data": None, "only": None}
 
 
-def load_config(path: Path) -> dict:
-    """The variant file at `path`, each variant expanded to {recipe, overrides, against}."""
+def read_variant_file(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The variant file at `path` as written, merged over the file it `extends`."""
     try:
         cfg = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise UserError(f"cannot read the variant file {path}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: a variant file is a mapping of keys, got {type(cfg).__name__}")
+    base = cfg.pop("extends", None)
+    if base is None:
+        return cfg
+    seen = (*seen, path.resolve())
+    base_path = path.parent / str(base)
+    if base_path.resolve() in seen:
+        raise UserError(f"{path}: extends {base!r}, which extends it back")
+    parent = read_variant_file(base_path, seen)
+    return {**parent, **cfg, "variants": {**(parent.get("variants") or {}), **(cfg.get("variants") or {})}}
+
+
+def load_config(path: Path) -> dict:
+    """The variant file at `path` (with the file it extends), each variant it runs expanded to
+    {recipe, overrides, against}."""
+    cfg = read_variant_file(path)
     missing = sorted(FILE_KEYS - set(cfg or {}))
     if missing:
         raise UserError(f"{path}: missing keys {missing}")
@@ -54,7 +76,12 @@ def load_config(path: Path) -> dict:
     specs = {check_name("variant", name): variant_spec(path, name, spec) for name, spec in cfg["variants"].items()}
     if cfg["reference"] not in specs:
         raise UserError(f"{path}: reference {cfg['reference']!r} is not one of the variants {list(specs)}")
-    cfg["variants"] = {name: expand_variant(path, specs, name, cfg["recipe"]) for name in specs}
+    run = cfg.pop("only") or list(specs)
+    if not isinstance(run, list) or set(run) - set(specs) or cfg["reference"] not in run:
+        raise UserError(
+            f"{path}: only must list variants of {list(specs)}, the reference {cfg['reference']!r} among them"
+        )
+    cfg["variants"] = {name: expand_variant(path, specs, name, cfg["recipe"]) for name in run}
     return cfg
 
 

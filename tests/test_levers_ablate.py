@@ -182,6 +182,33 @@ def test_a_variant_is_a_delta_from_a_recipe_and_can_build_on_another(tmp_path):
             load_config(path)
 
 
+def test_a_variant_file_extends_another_and_runs_the_variants_it_names(tmp_path):
+    """`extends`: the file's keys replace the other file's, its variants join the other's (a name
+    replaced); `only` picks what runs, in order, while `@` still reaches every variant."""
+    variant_file(tmp_path, {"base": ["a=1"], "lever": ["@base", "b=2"], "other": ["c=3"]})
+    child = tmp_path / "sub" / "child.yaml"
+    child.parent.mkdir()
+
+    def write(**keys):
+        child.write_text(yaml.safe_dump({"extends": "../ablate.yaml", **keys}))
+
+    write(recipe="default", seeds=[4], only=["base", "lever", "mine"], variants={"base": ["z=0"], "mine": ["@other"]})
+    cfg = load_config(child)
+    assert list(cfg["variants"]) == ["base", "lever", "mine"] and cfg["seeds"] == [4] and cfg["steps"] == 1
+    assert cfg["variants"]["lever"] == {"recipe": "default", "overrides": ["z=0", "b=2"], "against": "base"}
+    assert cfg["variants"]["mine"] == {"recipe": "default", "overrides": ["c=3"], "against": "other"}
+    assert "only" not in cfg and "extends" not in cfg
+    for keys, message in [
+        ({"only": ["base", "nope"]}, "only must list variants of"),
+        ({"only": ["lever"]}, "the reference 'base' among them"),
+        ({"extends": "child.yaml"}, "extends it back"),
+        ({"extends": "../missing.yaml"}, "cannot read the variant file"),
+    ]:
+        write(**keys)
+        with pytest.raises(UserError, match=message):
+            load_config(child)
+
+
 def test_the_file_overrides_the_shared_held_out_protocol_for_every_run(tmp_path):
     """`heldout:` holds keys of conf/heldout/ only; they reach every run, last (no variant changes them)."""
     cfg = variant_file(tmp_path, {"base": ["heldout.seed=9"]})
