@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench import split_args, write_figures
+from bench import write_figures
 from bench.ablate_record import file_fingerprint, store_fingerprint
 from dspark.config import HeldoutConfig
 from dspark.entry import script_main
@@ -168,18 +168,15 @@ def capture(
 
 
 def main(argv: list[str]) -> int:
-    args, rest = split_args(
-        argv,
-        {"drafter", "bench_data", "out", "steps", "refit_samples"},
-        {"drafter", "bench_data", "out"},
-        "python -m bench.confidence_probe drafter=DIR bench_data=NAME out=FILE.json [steps=N] "
-        "[refit_samples=N] [eval overrides]",
-    )
     from bench import lever_data
     from dspark.eval.evaluate import split_samples
 
-    record, overrides = lever_data.eval_overrides(args["bench_data"])
-    overrides = [*overrides, *rest]
+    args, record, overrides = lever_data.report_args(
+        argv,
+        "python -m bench.confidence_probe drafter=DIR bench_data=NAME out=FILE.json [steps=N] "
+        "[refit_samples=N] [eval overrides]",
+        frozenset({"steps", "refit_samples"}),
+    )
     store = record["stores"]["eval"]["path"]
     refit_samples = int(args.get("refit_samples", 0))
     train_store = record["stores"]["train"]["path"] if refit_samples > 0 else None

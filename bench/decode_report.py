@@ -32,10 +32,10 @@ def _key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~")
 
 
-def decode_figures(drafter: str, overrides: list[str], out_dir: str) -> dict:
+def decode_figures(drafter: str, overrides: list[str], out_dir: str) -> tuple[dict, dict]:
     """Decode with `drafter` under `python -m eval.decode`'s config with `overrides` into `out_dir`;
-    returns the record of what made it (written there as record.json), with the decode section's
-    acceptance lengths."""
+    returns the decode section and the record of what made it (written there as record.json), with
+    the section's acceptance lengths."""
     import hydra
 
     from dspark.config import HeldoutConfig, TargetConfig, load_section
@@ -75,7 +75,7 @@ def decode_figures(drafter: str, overrides: list[str], out_dir: str) -> dict:
         ]
         for r in section["runs"]
     }
-    return write_figures(Path(out_dir), "record", record)
+    return section, write_figures(Path(out_dir), "record", record)
 
 
 def main(argv: list[str]) -> int:
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> int:
         argv, "python -m bench.decode_report drafter=DIR bench_data=NAME out=DIR [overrides]"
     )
     prompts = f"eval.decode.prompts_file={Path(record['data_dir']) / 'eval.jsonl'}"
-    decode_figures(args["drafter"], [prompts, *overrides], args["out"])
-    print(headline(json.loads((Path(args["out"]) / "decode.json").read_text())))
+    section, _ = decode_figures(args["drafter"], [prompts, *overrides], args["out"])
+    print(headline(section))
     print(f"record: {Path(args['out']) / 'record.json'}")
     return 0
 

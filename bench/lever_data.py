@@ -364,14 +364,16 @@ def eval_overrides(name: str) -> tuple[dict, list[str]]:
     ]
 
 
-def report_args(argv: list[str], usage: str) -> tuple[dict[str, str], dict, list[str]]:
+def report_args(
+    argv: list[str], usage: str, optional: frozenset[str] = frozenset()
+) -> tuple[dict[str, str], dict, list[str]]:
     """A per-drafter report script's `drafter=`, `bench_data=` and `out=` (all required; `usage` when
-    one is missing), its benchmark's record, and the `python -m eval` overrides for it followed by the
-    script's other arguments."""
+    one is missing) and its `optional` keys, its benchmark's record, and the `python -m eval`
+    overrides for it followed by the script's other arguments."""
     from bench import split_args
 
     keys = {"drafter", "bench_data", "out"}
-    args, rest = split_args(argv, keys, keys, usage)
+    args, rest = split_args(argv, keys | optional, keys, usage)
     record, overrides = eval_overrides(args["bench_data"])
     return args, record, [*overrides, *rest]
 

@@ -23,9 +23,10 @@ def test_decode_report_records_the_decode_and_its_provenance(tmp_path):
         "eval.decode.prompts_per_benchmark=1",
         "eval.decode.max_new_tokens=8",
     ]
-    record = decode_figures(str(setup.drafter), overrides, str(out))
+    returned, record = decode_figures(str(setup.drafter), overrides, str(out))
     assert json.loads((out / "record.json").read_text()) == record
     section = json.loads((out / "decode.json").read_text())
+    assert returned["runs"] == section["runs"]
     assert {(r["temperature"], r["adaptive"]) for r in section["runs"]} == {(1.0, False)}
     assert record["acceptance_length"]["all T=1"][0] == next(
         r["acceptance_length"] for r in section["runs"] if r["benchmark"] == "all"
@@ -34,6 +35,6 @@ def test_decode_report_records_the_decode_and_its_provenance(tmp_path):
     assert record["prompts_sha256"] == file_fingerprint(str(prompts))
     assert "eval.decode.adaptive=false" in record["command"] and "train_key" not in record
     # an override of a default wins, and the default is not passed a second time
-    record = decode_figures(str(setup.drafter), [*overrides, "eval.decode.temperatures=[0.0]"], str(out))
+    _, record = decode_figures(str(setup.drafter), [*overrides, "eval.decode.temperatures=[0.0]"], str(out))
     assert record["command"].count("eval.decode.temperatures") == 1
     assert list(record["acceptance_length"]) == ["chat T=0", "code T=0", "all T=0"]
