@@ -11,11 +11,17 @@ both alike):
            ids, max_tokens=1): the prefill the verifier does anyway (the baseline);
 - extract: the stage's server (extract_hidden_states + hidden-states connector) and client
            (`extract_rows`): the same requests, plus waiting for and reading each staged
-           file, bf16 conversion, and committing shards to a ShardStore;
+           file, bf16 conversion, and committing shards to a ShardStore, in shards of
+           4,096 tokens so that commits overlap the requests as in a long run;
+- extract as one shard: the same with the stage's shard size, which these 30k tokens do not
+           fill: the whole commit comes after the last request;
 - extract without store: the same, but the states are dropped once read (splits the
            extra time into server/transfer and store writing).
 
-Both after an untimed warm-up pass over the same samples, with the same requests in flight; staged files on
+Every server runs without the prefix cache: the rounds send the same token ids again, and a
+cache hit skips the forward (the extraction server keeps its hidden states in cache blocks
+too), so with the cache on the baseline would time mostly cache hits. Both after an untimed
+warm-up pass over the same samples, with the same requests in flight; staged files on
 tmpfs as in the stage. Reported:
 extraction wall time / plain wall time, and store bytes on disk per token / raw bytes per
 token (bf16 hidden states of every stored layer + int32 token id + uint8 loss mask).
@@ -45,6 +51,9 @@ from dspark.targets import Target  # noqa: E402
 N_SAMPLES = 64
 ROUNDS = 3
 MAX_TOKENS = 1024
+# Shards of this many tokens in the timed extraction: ~8 commits over the samples, each
+# overlapping the next requests as every shard but the last does in a long run.
+STEADY_SHARD = 4096
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -116,6 +125,7 @@ async def extraction(
     ex: ExtractConfig,
     store: ShardStore | None,
     concurrency: int = 0,
+    shard_tokens: int | None = None,
 ) -> None:
     async with HiddenStatesClient(
         url,
@@ -134,7 +144,7 @@ async def extraction(
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return
-        writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=ex.shard_tokens)
+        writer = ShardWriter(store, shard_samples=ex.shard_samples, shard_tokens=shard_tokens or ex.shard_tokens)
         await extract_rows(client, rows, writer, concurrency=ex.concurrency)
 
 
@@ -164,11 +174,12 @@ def main(out_dir: Path) -> dict:
         tempfile.TemporaryDirectory(dir=default_staging_root(), prefix="bench-extract-") as staging,
     ):
         tmp, staging = Path(tmp), Path(staging)
-        plain = VLLMServer(model, tmp / "plain", extra_args=["--disable-uvicorn-access-log", *srv.extra_args], **common)
+        no_cache = [*srv.extra_args, "--no-enable-prefix-caching"]
+        plain = VLLMServer(model, tmp / "plain", extra_args=["--disable-uvicorn-access-log", *no_cache], **common)
         extracting = VLLMServer(
             model,
             tmp / "extract",
-            extra_args=server_args(verifier.layer_ids, "cpu", staging / "normal", srv.extra_args),
+            extra_args=server_args(verifier.layer_ids, "cpu", staging / "normal", no_cache),
             **common,
         )
         # extract.deterministic: one sample per engine step, no chunked prefill, no prefix cache.
@@ -193,16 +204,29 @@ def main(out_dir: Path) -> dict:
                     one_by_one.url, staging / "deterministic", model, warm_rows, verifier, ex, None, ex.concurrency
                 )
             )
-            plain_s, extract_s, dropped_s, deterministic_s = [], [], [], []
+            plain_s, extract_s, one_shard_s, dropped_s, deterministic_s = [], [], [], [], []
             for r in range(ROUNDS):
-                store = StoreWriter.create_or_open(
-                    str(tmp / f"store-{r}"), verifier.store_attrs(), verifier.tokenizer_sha256
-                )
+                stores = [
+                    StoreWriter.create_or_open(
+                        str(tmp / f"store-{r}-{kind}"), verifier.store_attrs(), verifier.tokenizer_sha256
+                    )
+                    for kind in ("steady", "one-shard")
+                ]
                 plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))
                 extract_s.append(
-                    timed(lambda s=store: extraction(extracting.url, staging / "normal", model, rows, verifier, ex, s))
+                    timed(
+                        lambda s=stores[0]: extraction(
+                            extracting.url, staging / "normal", model, rows, verifier, ex, s, shard_tokens=STEADY_SHARD
+                        )
+                    )
                 )
-                assert len(store.committed_sample_ids()) == len(rows)
+                one_shard_s.append(
+                    timed(
+                        lambda s=stores[1]: extraction(extracting.url, staging / "normal", model, rows, verifier, ex, s)
+                    )
+                )
+                for store in stores:
+                    assert len(store.committed_sample_ids()) == len(rows)
                 dropped_s.append(
                     timed(
                         lambda: extraction(
@@ -224,7 +248,7 @@ def main(out_dir: Path) -> dict:
                         )
                     )
                 )
-        disk = store_bytes(str(tmp / "store-0"))
+        disk = store_bytes(str(tmp / "store-0-one-shard"))
     ratios = [e / p for e, p in zip(extract_s, plain_s)]
     figures = {
         "setting": {
@@ -236,8 +260,10 @@ def main(out_dir: Path) -> dict:
             "tokens": n_tokens,
             "rounds": ROUNDS,
             "concurrency": ex.concurrency,
+            "steady_shard_tokens": STEADY_SHARD,
             "server_env": env,
             "server_extra_args": srv.extra_args,
+            "prefix_caching": False,
         },
         "plain_prefill_s": [round(t, 2) for t in plain_s],
         "extraction_s": [round(t, 2) for t in extract_s],
@@ -245,6 +271,10 @@ def main(out_dir: Path) -> dict:
         "extraction_tokens_per_s": round(ROUNDS * n_tokens / sum(extract_s), 1),
         "extraction_time_vs_plain_prefill": round(sum(extract_s) / sum(plain_s), 3),
         "extraction_time_vs_plain_prefill_per_round": [round(x, 3) for x in ratios],
+        # The stage's shard size: these tokens make one shard, compressed and written after
+        # the last request (a tail a long run pays once, not per shard).
+        "extraction_one_shard_s": [round(t, 2) for t in one_shard_s],
+        "extraction_one_shard_vs_plain_prefill": round(sum(one_shard_s) / sum(plain_s), 3),
         # Where the extra time goes: the same extraction with the states read and dropped
         # (server side + transfer) against plain prefill, and the store writes on top.
         "extraction_without_store_s": [round(t, 2) for t in dropped_s],
@@ -260,7 +290,8 @@ def main(out_dir: Path) -> dict:
         f"{len(rows)} samples, {n_tokens} tokens, {ROUNDS} alternating rounds: plain prefill "
         f"{figures['plain_tokens_per_s']:.0f} tok/s, extraction {figures['extraction_tokens_per_s']:.0f} tok/s: "
         f"extraction takes {figures['extraction_time_vs_plain_prefill']:.2f}x plain prefill's time "
-        f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}; without the store writes "
+        f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}; "
+        f"{figures['extraction_one_shard_vs_plain_prefill']:.2f}x as one shard; without the store writes "
         f"{figures['extraction_without_store_vs_plain_prefill']:.2f}x; deterministic mode "
         f"{figures['deterministic_vs_normal_extraction']:.2f}x the normal mode's time); "
         f"store {figures['store_bytes_per_token']:.0f} B/token = {figures['store_size_vs_raw']:.3f}x raw "
