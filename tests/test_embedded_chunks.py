@@ -22,7 +22,7 @@ import yaml
 
 import dspark.target_dirs as target_dirs
 from dspark.errors import MissingInput, UserError
-from dspark.target_dirs import EMBEDDED_TARGETS, Embedded, resolve_target_dir
+from dspark.target_dirs import EMBEDDED_TARGETS, Embedded, resolve_target_dir, tokenizer_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNKS = [b"GGUF" + bytes(range(256)) * 3, b"second chunk", b"", b"the end"]  # an empty chunk is still a package
@@ -179,3 +179,6 @@ def test_real_qwen25_coder_converts_to_the_documented_model(tmp_path, monkeypatc
     assert tok.convert_ids_to_tokens(mask) == "[PAD151665]" and mask not in tok.encode("[PAD151665] <|file_sep|>")
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    # the tokenizer the tracked lever benchmark was made with: its stores can be built from a fresh conversion
+    manifest = json.loads((REPO / "bench/data/qwen2.5-coder-0.5b/manifest.json").read_text())
+    assert tokenizer_sha256(model_dir) == manifest["target"]["tokenizer_sha256"]

@@ -102,6 +102,10 @@ def test_each_tracked_benchmark_is_as_its_manifest_says(name, tmp_path):
     """bench/data/<name>/: every tracked file, and the dataset it materializes, has its manifest's sha256."""
     record = lever_data.materialize(name, tmp_path, stores=False)
     assert sorted(record["written"]) == ["eval.jsonl", "summary.json", "token_freqs.npy", "train.jsonl"]
+    # extraction checks the tokenizer against the summary's, a fresh conversion against the manifest's
+    summary = json.loads((tmp_path / "data" / "summary.json").read_text())
+    manifest = lever_data.load_manifest(lever_data.bench_dir(name))
+    assert summary["target"]["tokenizer_sha256"] == manifest["target"]["tokenizer_sha256"]
 
 
 def test_the_manifest_refuses_a_changed_or_missing_file(tiny_bench, tmp_path):
