@@ -7,7 +7,8 @@ machine noise hits both. Default: a random 4-layer verifier (hidden 128, 2,048 t
 random drafter exported and reloaded from its directory, 2 prompts of 32 tokens, 32 new tokens
 (the random verifier's flat distributions accept some random drafts: engine overhead and budget).
 Point DSPARK_BENCH_DRAFTER at an exported drafter (verifier: DSPARK_BENCH_VERIFIER, a model dir)
-for a trained one's figures.
+for a trained one's figures; DSPARK_BENCH_DEVICE=cuda runs both decodings on the GPU (one
+untimed warm-up round first, which the CPU runs skip).
 
 Run: python -m bench.bench_decode   (or python -m bench only=decode)
 """
@@ -34,6 +35,7 @@ from dspark.model import DSparkDraft
 from dspark.verifier import VerifierHead
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS, ROUNDS = 2, 32, 32, 2
+DEVICE = torch.device(os.environ.get("DSPARK_BENCH_DEVICE", "cpu"))
 
 
 def random_models(root: Path) -> tuple[Path, Path]:
@@ -55,8 +57,8 @@ def main(out_dir: Path) -> dict:
         verifier_dir = os.environ.get("DSPARK_BENCH_VERIFIER")
         if drafter_dir is None:
             verifier_dir, drafter_dir = random_models(Path(tmp))
-        model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
-        draft = load_drafter(drafter_dir, VerifierHead.from_pretrained(verifier_dir))
+        model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().to(DEVICE)
+        draft = load_drafter(drafter_dir, VerifierHead.from_pretrained(verifier_dir)).to(DEVICE)
         engine = SpeculativeDecoder(Verifier(model, draft.aux_layer_ids), draft)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, model.config.vocab_size - 1, PROMPT_LEN).tolist() for _ in range(PROMPTS)]
@@ -65,7 +67,7 @@ def main(out_dir: Path) -> dict:
         for temperature in (0.0, 1.0):
             for adaptive in [False] if costs is None else [False, True]:
                 ratios, forwards = [], 0
-                for _ in range(ROUNDS):
+                for r in range(-1 if DEVICE.type == "cuda" else 0, ROUNDS):
                     start = time.perf_counter()
                     for i, p in enumerate(prompts):
                         hf_generate(model, p, NEW_TOKENS, temperature, seed=i)
@@ -75,7 +77,8 @@ def main(out_dir: Path) -> dict:
                         engine.generate([p], NEW_TOKENS, temperature, i, costs if adaptive else None)[0]
                         for i, p in enumerate(prompts)
                     ]
-                    ratios.append((time.perf_counter() - start) / plain)
+                    if r >= 0:  # round -1: the GPU's warm-up (kernels, caches), not timed
+                        ratios.append((time.perf_counter() - start) / plain)
                     forwards = sum(o.verifier_forwards for o in outs)
                 name = f"T{temperature:g}_{'adaptive' if adaptive else 'fixed'}"
                 rows[name] = {
@@ -86,6 +89,7 @@ def main(out_dir: Path) -> dict:
                 print(f"   {name}: {rows[name]}", flush=True)
     figures = {
         "drafter": "random (exported, reloaded)" if os.environ.get("DSPARK_BENCH_DRAFTER") is None else drafter_dir,
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
         "rounds": ROUNDS,

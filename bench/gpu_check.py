@@ -5,17 +5,21 @@ Phases (each a subprocess with its own time limit; a failing phase does not stop
    bf16 paths), with a JUnit XML report.
 2. `train_step`: the training-step benchmark (`bench/bench_train_step.py`) on the GPU in bf16
    autocast with flex attention, against speculators (its fused losses, flex attention).
-3. `serving`: the embedded default end to end on the GPU (`make demo`'s stages: data, extract,
+3. `decode`: speculative decoding (`bench/bench_decode.py`) on the GPU against plain decoding of
+   the same verifier: verifier forwards per token and the wall-time ratio (float32).
+4. `serving`: the embedded default end to end on the GPU (`make demo`'s stages: data, extract,
    the demo training, eval), so DSpark is served by vLLM: acceptance length and speedup from
    the online benchmark next to eval.decode's acceptance length (speculative decoding on
    transformers, same drafter and prompts) and the offline τ of the same drafter.
 
 It writes `<out>/gpu_check.json` (every phase's command, exit status, seconds and figures) and
-`<out>/gpu_check.md` (the same as tables). Needs the venv made by `make setup` on a CUDA
-machine (vLLM for CUDA) and the offline caches of the embedded default; `--dry-run` prints
-the plan and needs neither.
+`<out>/gpu_check.md` (the same as tables), with the commit measured (`DSPARK_COMMIT` when the
+tree was copied without its git folder). Needs the venv made by `make setup` on a CUDA machine
+(vLLM for CUDA) and the offline caches of the embedded default; `--dry-run` prints the plan and
+needs neither. Where vLLM is not installed, `serving` is reported as skipped, with the reason,
+and the other phases run.
 
-Usage: bench/gpu_check.sh [--dry-run] [--out DIR] [--only tests,train_step,serving] [--budget-s S]
+Usage: bench/gpu_check.sh [--dry-run] [--out DIR] [--only tests,train_step,decode,serving] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("tests", "train_step", "serving")
-SHARES = {"tests": 0.2, "train_step": 0.25, "serving": 0.55}
+PHASES = ("tests", "train_step", "decode", "serving")
+SHARES = {"tests": 0.2, "train_step": 0.2, "decode": 0.1, "serving": 0.5}
 """Each phase's share of the time budget."""
 
 
@@ -73,6 +78,11 @@ def plan(python: str, out: Path, only: tuple[str, ...], budget_s: float) -> list
             [[python, "-m", "bench", "only=train_step", f"out={out}"]],
             env={"DSPARK_BENCH_DEVICE": "cuda", "DSPARK_BENCH_DTYPE": "bfloat16", "DSPARK_BENCH_ATTN": "flex"},
         ),
+        "decode": Phase(
+            "decode",
+            [[python, "-m", "bench", "only=decode", f"out={out}"]],
+            env={"DSPARK_BENCH_DEVICE": "cuda"},
+        ),
         "serving": Phase(
             "serving",
             [
@@ -95,10 +105,17 @@ def plan(python: str, out: Path, only: tuple[str, ...], budget_s: float) -> list
         ),
     }
     chosen = [phases[name] for name in PHASES if name in only]
-    total = sum(SHARES[p.name] for p in chosen)
+    total = sum(SHARES[p.name] for p in chosen if not skip_reason(p.name)) or 1.0  # skipped phases take no time
     for p in chosen:
-        p.timeout_s = round(budget_s * SHARES[p.name] / total)
+        p.timeout_s = 0 if skip_reason(p.name) else round(budget_s * SHARES[p.name] / total)
     return chosen
+
+
+def skip_reason(name: str) -> str | None:
+    """Why a phase cannot run on this machine (None: it can)."""
+    if name == "serving" and find_spec("vllm") is None:
+        return "vLLM is not installed in this environment (the serving phase needs vLLM for CUDA)"
+    return None
 
 
 def run_phase(phase: Phase, log_dir: Path) -> dict:
@@ -168,11 +185,18 @@ def serving_figures(report_path: Path) -> dict:
     }
 
 
+def decode_figures(path: Path) -> dict:
+    """Per temperature and verification: forwards per token, acceptance length, wall ratio (bench_decode's JSON)."""
+    found = json.loads(path.read_text())
+    return {"device": found.get("device"), "drafter": found.get("drafter"), "runs": found["runs"]}
+
+
 def figures(name: str, out: Path) -> dict | None:
     """What a finished phase measured, read from the files it wrote (None when it wrote none)."""
     sources = {
         "tests": (out / "gpu_tests.xml", test_figures),
         "train_step": (out / "train_step.json", train_step_figures),
+        "decode": (out / "decode.json", decode_figures),
     }
     if name == "serving":
         found = sorted((out / "runs").glob("*/eval/report.json"))
@@ -184,7 +208,12 @@ def figures(name: str, out: Path) -> dict | None:
 def markdown(report: dict) -> str:
     """The report as Markdown tables."""
     lines = ["# GPU check", "", f"device: {report['device']}", "", "| phase | exit | seconds |", "|---|---|---|"]
-    lines += [f"| {p} | {r['rc']} | {r['seconds']} |" for p, r in report["phases"].items()]
+    lines.insert(3, f"commit: {report.get('commit')}, {report.get('date')}")
+    lines.insert(4, "")
+    lines += [
+        f"| {p} | {r['rc'] if 'skipped' not in r else 'skipped: ' + r['skipped']} | {r['seconds']} |"
+        for p, r in report["phases"].items()
+    ]
     tests = report["phases"].get("tests", {}).get("figures")
     if tests:
         lines += [
@@ -205,6 +234,20 @@ def markdown(report: dict) -> str:
             f"| {n} | {r['tokens_per_s']['ours']} | {r['tokens_per_s']['speculators']} | "
             f"{r['throughput_ratio']} | {r['flop_limit_fraction']['ours']} |"
             for n, r in step.items()
+        ]
+    decode = report["phases"].get("decode", {}).get("figures")
+    if decode:
+        lines += [
+            "",
+            f"speculative decoding on {decode['device']} ({decode['drafter']} drafter), against plain decoding:",
+            "",
+            "| run | verifier forwards / token | acceptance length | wall ratio vs plain |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {n} | {r['verifier_forwards_per_token']:.3f} | {r['acceptance_length']:.3f} | "
+            f"{r['wall_ratio_vs_plain']:.2f} |"
+            for n, r in decode["runs"].items()
         ]
     serving = report["phases"].get("serving", {}).get("figures")
     if serving:
@@ -276,6 +319,10 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         for p in phases:
             env = " ".join(f"{k}={v}" for k, v in p.env.items())
+            skipped = skip_reason(p.name)
+            if skipped:
+                print(f"[{p.name}] skipped: {skipped}")
+                continue
             print(f"[{p.name}] time limit {p.timeout_s} s" + (f", env {env}" if env else ""))
             for cmd in p.commands:
                 print("  " + " ".join(cmd))
@@ -290,16 +337,31 @@ def main(argv: list[str]) -> int:
         )
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(0), "budget_s": args.budget_s, "phases": {}}
+    from bench.ablate_record import git_state
+
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "commit": os.environ.get("DSPARK_COMMIT") or git_state()["commit"],
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "budget_s": args.budget_s,
+        "phases": {},
+    }
     for p in phases:
         print(f"== {p.name} (limit {p.timeout_s} s)", flush=True)
-        result = {"commands": [" ".join(c) for c in p.commands], "env": p.env, **run_phase(p, out)}
+        result = {"commands": [" ".join(c) for c in p.commands], "env": p.env}
+        skipped = skip_reason(p.name)
+        if skipped:
+            report["phases"][p.name] = {**result, "rc": None, "seconds": 0.0, "skipped": skipped, "figures": None}
+            print(f"   skipped: {skipped}", flush=True)
+            continue
+        result |= run_phase(p, out)
         result["figures"] = figures(p.name, out)
         report["phases"][p.name] = result
         write_report(report, out)  # after every phase: a later timeout loses nothing
         print(f"   exit {result['rc']} after {result['seconds']} s", flush=True)
     print(markdown(report))
-    return 0 if all(r["rc"] == 0 for r in report["phases"].values()) else 1
+    return 0 if all(r["rc"] in (0, None) for r in report["phases"].values()) else 1
 
 
 if __name__ == "__main__":

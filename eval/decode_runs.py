@@ -136,6 +136,8 @@ def profile_costs(engine: SpeculativeDecoder, prompt: list[int], replays: int) -
         for _ in range(replays + 1):  # the first call warms up
             start = time.perf_counter()
             fn()
+            if dev.type == "cuda":  # kernels run asynchronously: time them to their end
+                torch.cuda.synchronize(dev)
             times.append(1000 * (time.perf_counter() - start))
         return float(np.median(times[1:]))
 

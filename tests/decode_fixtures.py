@@ -50,8 +50,10 @@ def export_small_drafter(verifier_dir: Path, out: Path, draft_vocab: list[int] |
     return export_drafter(small_draft(verifier_dir, draft_vocab, block_size, seed), out, str(verifier_dir))
 
 
-def decoder_for(verifier_dir: Path, drafter_dir: Path) -> tuple[SpeculativeDecoder, Qwen3ForCausalLM]:
+def decoder_for(
+    verifier_dir: Path, drafter_dir: Path, device: str = "cpu"
+) -> tuple[SpeculativeDecoder, Qwen3ForCausalLM]:
     """The engine on the verifier and the drafter as loaded from its exported directory."""
-    model = Qwen3ForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
-    draft = load_drafter(drafter_dir, VerifierHead.from_pretrained(verifier_dir))
+    model = Qwen3ForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().to(device)
+    draft = load_drafter(drafter_dir, VerifierHead.from_pretrained(verifier_dir)).to(device)
     return SpeculativeDecoder(Verifier(model, draft.aux_layer_ids), draft), model

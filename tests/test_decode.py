@@ -18,7 +18,8 @@ PROMPTS = [[1, 5, 2], [3, 3, 0, 6, 1, 2, 7], [4], [7, 7, 1], [2, 0, 4, 4, 1], [6
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
     return out[0, len(prompt) :].tolist()
 
 
@@ -51,11 +52,18 @@ def greedy_setup(tmp_path_factory):
     return verifier, {"full": full, "reduced": reduced}
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_equals_transformers_generate(greedy_setup, vocab, adaptive):
+def test_greedy_equals_transformers_generate(greedy_setup, vocab, adaptive, device):
     verifier_dir, drafters = greedy_setup
-    decoder, model = decoder_for(verifier_dir, drafters[vocab])
+    decoder, model = decoder_for(verifier_dir, drafters[vocab], device)
     # verifying n tokens costs more with n: the budget changes between steps
     costs = CostModel(draft_ms=1.0, verify_ms=np.array([0.0, 1.0, 1.6, 2.2, 2.8, 3.4])) if adaptive else None
     outputs = decoder.generate(PROMPTS, max_new_tokens=24, temperature=0.0, costs=costs)

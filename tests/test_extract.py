@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
@@ -457,6 +458,7 @@ def test_connector_and_server_environment_choices():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's stock connector needs CUDA")
+@pytest.mark.skipif(find_spec("vllm") is None, reason="needs vLLM for CUDA installed")
 def test_stock_connector_on_cuda_equals_transformers(tmp_path, tiny_dir, tiny_data):
     summary = run_in_process(
         stage_overrides(

@@ -36,10 +36,12 @@ def test_dry_run_prints_every_phase_and_runs_nothing(tmp_path):
         "[tests] time limit 100 s",
         "-m pytest -m gpu",
         f"--junitxml={out / 'gpu_tests.xml'}",
-        "[train_step] time limit 125 s",
+        "[train_step] time limit 100 s",
         "DSPARK_BENCH_DEVICE=cuda DSPARK_BENCH_DTYPE=bfloat16 DSPARK_BENCH_ATTN=flex",
         f"-m bench only=train_step out={out}",
-        "[serving] time limit 275 s",
+        "[decode] time limit 50 s",
+        f"-m bench only=decode out={out}",
+        "[serving] time limit 250 s",
         f"DSPARK_RUNS={out / 'runs'}",
         "-m extract.data",
         "-m train +experiment=demo",
@@ -115,6 +117,10 @@ def test_report_from_the_files_the_phases_write(tmp_path):
         "flop_limit_fraction": {"ours": 0.41, "speculators": 0.16},
     }
     (tmp_path / "train_step.json").write_text(json.dumps({"rows": {"qwen2.5-0.5b": row}}))
+    decode_row = {"verifier_forwards_per_token": 0.8125, "acceptance_length": 1.25, "wall_ratio_vs_plain": 1.5}
+    (tmp_path / "decode.json").write_text(
+        json.dumps({"device": "NVIDIA H200", "drafter": "random", "runs": {"T0_fixed": decode_row}})
+    )
     eval_dir = tmp_path / "runs" / "smollm2-135m" / "eval"
     eval_dir.mkdir(parents=True)
     (eval_dir / "report.json").write_text(
@@ -142,6 +148,7 @@ def test_report_from_the_files_the_phases_write(tmp_path):
     }
     assert report["phases"]["tests"]["figures"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1, "passed": 1}
     assert report["phases"]["train_step"]["figures"]["qwen2.5-0.5b"]["throughput_ratio"] == 2.5
+    assert report["phases"]["decode"]["figures"]["runs"]["T0_fixed"] == decode_row
     serving = report["phases"]["serving"]["figures"]
     assert serving["offline_tau"] == 1.8765
     assert serving["online_runs"][1] == {
@@ -156,6 +163,12 @@ def test_report_from_the_files_the_phases_write(tmp_path):
     assert "gpu tests: 1 passed, 1 failed, 0 errors, 1 skipped" in md
     assert "| qwen2.5-0.5b | 50000.0 | 20000.0 | 2.5 | 0.41 |" in md
     assert "offline τ: 1.877" in md and "| dspark k=4 | 1.9 | 160.0 | 1.6 |" in md
+    assert "| T0_fixed | 0.812 | 1.250 | 1.50 |" in md
+    # A phase that cannot run here is reported as skipped, with its reason.
+    skipped = {"rc": None, "seconds": 0.0, "skipped": "vLLM is not installed", "figures": None}
+    assert "| serving | skipped: vLLM is not installed | 0.0 |" in gpu_check.markdown(
+        {"device": "x", "commit": "abc", "phases": {"serving": skipped}}
+    )
     # A phase that wrote nothing has no figures (and the report still renders).
     assert gpu_check.figures("serving", tmp_path / "empty") is None
 
