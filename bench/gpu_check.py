@@ -37,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("tests", "train_step", "decode", "serving")
-SHARES = {"tests": 0.2, "train_step": 0.2, "decode": 0.1, "serving": 0.5}
+SHARES = {"tests": 0.25, "train_step": 0.15, "decode": 0.1, "serving": 0.5}
 """Each phase's share of the time budget."""
 
 

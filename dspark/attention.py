@@ -91,8 +91,11 @@ class BlockLayout:
         """Block-sparse mask for flex attention (CUDA)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
+        def mask_mod(b, h, q, kv):  # a plain function: flex reads a bound method's `self` as a fifth argument
+            return self.mask_mod(b, h, q, kv)
+
         return create_block_mask(
-            self.mask_mod,
+            mask_mod,
             B=self.anchors.shape[0],
             H=None,
             Q_LEN=self.q_len,

@@ -80,6 +80,12 @@ def _softmax(x: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
     return out, peak - out.amax(-1).log()
 
 
+def tile_rows(rows: int, v: int, device: torch.device) -> int:
+    """Rows per tile: all of them on CUDA (one pass), else as many as keep a tile of the verifier's
+    logits near `TILE_ELEMENTS` (cache-sized on CPU); at least 1, also for a chunk of no rows."""
+    return max(1, rows if device.type == "cuda" else TILE_ELEMENTS // max(v, 1))
+
+
 class VocabTerms(torch.autograd.Function):
     """Weighted sums of ce, tv, kl over a chunk of slots; differentiable in the draft logits only.
 
@@ -107,7 +113,7 @@ class VocabTerms(torch.autograd.Function):
         sums = torch.zeros(3, dtype=z.dtype, device=z.device)
         alpha = torch.empty(rows, dtype=z.dtype, device=z.device)
         out_of_vocab = torch.zeros((), dtype=torch.long, device=z.device)
-        tile = rows if z.device.type == "cuda" else max(1, TILE_ELEMENTS // max(v, 1))
+        tile = tile_rows(rows, v, z.device)
         work = _Tiles(min(tile, rows), vd, z, workspace)
         for start in range(0, rows, tile):
             r = slice(start, start + tile)

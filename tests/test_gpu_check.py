@@ -33,10 +33,10 @@ def test_dry_run_prints_every_phase_and_runs_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     for expected in (
-        "[tests] time limit 100 s",
+        "[tests] time limit 125 s",
         "-m pytest -m gpu",
         f"--junitxml={out / 'gpu_tests.xml'}",
-        "[train_step] time limit 100 s",
+        "[train_step] time limit 75 s",
         "DSPARK_BENCH_DEVICE=cuda DSPARK_BENCH_DTYPE=bfloat16 DSPARK_BENCH_ATTN=flex",
         f"-m bench only=train_step out={out}",
         "[decode] time limit 50 s",

@@ -12,7 +12,7 @@ from torch import nn
 
 from dspark.config import LossConfig
 from dspark.losses import LossInputs, dspark_loss, position_weights, term_names, weight_sum
-from dspark.vocab_terms import term_weights
+from dspark.vocab_terms import TILE_ELEMENTS, term_weights, tile_rows
 
 H, V, R, B = 12, 40, 6, 4
 
@@ -454,3 +454,11 @@ def test_hidden_term_matches_naive_loop_and_needs_the_verifier_norm():
         t = verifier.norm(target_hidden[i, 0])
         total = total + ((hidden[i, 0] - t) ** 2).sum() / (t**2).sum()
     assert float(first.terms["hidden"]) == pytest.approx(float(total.detach()) / weights, rel=1e-10)
+
+
+def test_vocab_tiles_are_never_empty():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # devices by name: no GPU needed
+    # a chunk of no scored slots (a micro-batch with no trainable anchor) still tiles: range(0, 0, 0) raised on CUDA
+    assert tile_rows(0, 49_152, cuda) == 1 and tile_rows(0, 49_152, cpu) == TILE_ELEMENTS // 49_152
+    assert tile_rows(300, 49_152, cuda) == 300  # one pass on a GPU
+    assert tile_rows(300, TILE_ELEMENTS * 4, cpu) == 1

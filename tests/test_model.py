@@ -10,6 +10,7 @@ import torch
 from drafts import QWEN3_MASK_TOKEN_ID, draft_config, make_draft, packed_inputs, random_d2t
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
 
+from dspark.attention import BlockLayout
 from dspark.errors import UserError
 from dspark.model import DSparkDraft, draft_layer_config
 from dspark.verifier import VerifierHead, resolve_aux_layer_ids, resolve_mask_token_id
@@ -377,6 +378,23 @@ def test_flex_without_cuda_is_refused():
 
 
 # --- GPU: flex attention equals SDPA ------------------------------------------------------
+
+
+@pytest.mark.parametrize("window, causal", [(None, False), (5, True)])
+def test_flex_block_mask_holds_the_dense_mask(window, causal):
+    """The block mask flex attention gets is built (create_block_mask runs on CPU too) from the same
+    predicate as the dense mask SDPA gets: flex once refused a bound method as a score_mod."""
+    anchors = torch.tensor([[3, 9, 20, 30], [1, 5, 7, 7]])
+    layout = BlockLayout(
+        anchors, torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool(), (torch.arange(32) >= 12).long().expand(2, 32), 4,
+        window, causal,
+    )  # fmt: skip
+    mask = layout.flex()
+    b = torch.arange(2)[:, None, None]
+    q, kv = torch.arange(layout.q_len)[None, :, None], torch.arange(layout.kv_len)[None, None, :]
+    dense = layout.dense()[:, 0]
+    assert dense.any() and not dense.all()
+    assert torch.equal(mask.mask_mod(b, None, q, kv), dense)
 
 
 @pytest.mark.gpu
