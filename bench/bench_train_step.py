@@ -240,10 +240,18 @@ def build(shape: Shape, work: Path):
         frozen = ours.embed_tokens.weight if name == "embed_tokens" else ours.lm_head.weight
         if not theirs_w.requires_grad and torch.equal(theirs_w, frozen):
             getattr(theirs, name).weight = torch.nn.Parameter(frozen, requires_grad=False)
-    losses = "fused" if DEVICE == "cuda" else "eager"  # speculators' Triton losses need CUDA
-    train_kwargs, _ = theirs.get_trainer_kwargs(
-        loss_fn=json.dumps(LOSS), loss_implementation=losses, max_anchors=shape.anchors, dflash_decay_gamma=4.0
-    )
+    # speculators' Triton losses need CUDA; where they fail to compile (torch 2.11 on an H200), its eager ones
+    losses = {"implementation": "fused" if DEVICE == "cuda" else "eager", "fused_error": None}
+
+    def their_kwargs() -> dict:
+        return theirs.get_trainer_kwargs(
+            loss_fn=json.dumps(LOSS),
+            loss_implementation=losses["implementation"],
+            max_anchors=shape.anchors,
+            dflash_decay_gamma=4.0,
+        )[0]
+
+    train_kwargs = their_kwargs()
     g = torch.Generator().manual_seed(0)
     samples = conversations(shape, g)
     per_sample = shape.anchors // len(shape.lengths)  # the trainer's num_anchors is per conversation
@@ -299,9 +307,21 @@ def build(shape: Shape, work: Path):
         opt_ours.step()
         opt_ours.zero_grad(set_to_none=True)
 
+    def their_loss() -> torch.Tensor:
+        nonlocal train_kwargs
+        try:
+            with autocast():
+                return theirs(*packed, position_ids=positions[None], **train_kwargs)[1]
+        except Exception as exc:  # only the fused losses may fall back, once
+            if losses["implementation"] != "fused":
+                raise
+            losses.update(implementation="eager", fused_error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(f"   speculators' fused losses failed, using its eager ones: {losses['fused_error']}", flush=True)
+            train_kwargs = their_kwargs()
+            return their_loss()
+
     def their_step() -> None:
-        with autocast():
-            _, loss, _ = theirs(*packed, position_ids=positions[None], **train_kwargs)
+        loss = their_loss()
         loss.backward()
         opt_theirs.step()
         opt_theirs.zero_grad(set_to_none=True)
@@ -328,11 +348,11 @@ def build(shape: Shape, work: Path):
 
     blocks = int(batch["anchor_valid"].sum())
     slots = int(batch["slot_mask"].sum())
-    return {"ours": our_step, "speculators": their_step}, blocks, slots, optimizer_steps
+    return {"ours": our_step, "speculators": their_step}, blocks, slots, optimizer_steps, losses
 
 
 def measure(shape: Shape, work: Path) -> dict:
-    steps, blocks, slots, optimizer_steps = build(shape, work)
+    steps, blocks, slots, optimizer_steps, losses = build(shape, work)
     times: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     matmul = []
@@ -379,6 +399,7 @@ def measure(shape: Shape, work: Path) -> dict:
         "matmul_gflop_per_s": round(matmul / 1e9, 1),
         "flop_limit_fraction": {k: round(flops / v / matmul, 3) for k, v in median.items()},
         "adamw_step_s": {k: round(v, 3) for k, v in optimizer.items()},
+        "speculators_losses": losses,
     }
 
 
@@ -432,7 +453,6 @@ def main(out_dir: Path) -> dict:
             "device": DEVICE,
             "threads": THREADS if DEVICE == "cpu" else None,
             "attention": ATTN,
-            "speculators_losses": "fused" if DEVICE == "cuda" else "eager",
             "rounds": ROUNDS,
         },
         "rows": rows,

@@ -158,6 +158,7 @@ def train_step_figures(path: Path) -> dict:
             "ratio_min_max": r["throughput_ratio_min_max"],
             "tokens_per_s": r["tokens_per_s"],
             "flop_limit_fraction": r["flop_limit_fraction"],
+            "speculators_losses": r.get("speculators_losses"),
         }
         for name, r in rows.items()
     }

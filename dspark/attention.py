@@ -115,6 +115,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+FLEX_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 @functools.cache
 def compiled_flex_attention():
     """flex_attention compiled once per process (uncompiled, it materializes every score)."""
@@ -174,7 +177,11 @@ class DraftAttention(nn.Module):
         v = torch.cat([context_kv[1], v], dim=1).transpose(1, 2)
         gqa = self.num_heads != self.num_kv_heads
         if self.attn_impl == "flex":
-            out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
+            # The main kernel always: below 128 query rows inductor picks its decoding kernel,
+            # which found no valid config for a training step of few anchors (seen on an H200).
+            out = compiled_flex_attention()(
+                q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa, kernel_options=FLEX_KERNEL
+            )
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim))
