@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -45,7 +46,13 @@ def digest(value: object) -> str:
 
 
 def git_state() -> dict:
-    """{commit, dirty} of the working tree (dirty: tracked or new files differ, results aside); commit None outside git."""
+    """{commit, dirty} of the working tree (dirty: tracked or new files differ, results aside); commit None outside git.
+
+    `DSPARK_COMMIT` names the commit instead (dirty unknown), for a tree copied to another machine
+    without its git folder or with a stale one.
+    """
+    if os.environ.get("DSPARK_COMMIT"):
+        return {"commit": os.environ["DSPARK_COMMIT"], "dirty": None}
     try:
         commit = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True

@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
 
     report = {
         "device": torch.cuda.get_device_name(0),
-        "commit": os.environ.get("DSPARK_COMMIT") or git_state()["commit"],
+        "commit": git_state()["commit"],
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "budget_s": args.budget_s,

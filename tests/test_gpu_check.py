@@ -228,3 +228,13 @@ def test_served_decode_and_offline_side_by_side(tmp_path):
     )
     assert "| 0 | 2.25 | 2.250 ± 0.050 | — |" in md
     assert "| 1 | — | 2.100 ± 0.050 | 2.080 |" in md
+
+
+def test_commit_of_a_copied_tree_comes_from_the_environment(monkeypatch):
+    """A tree copied to a GPU machine without its git folder (or with a stale one) records DSPARK_COMMIT."""
+    from bench.ablate_record import git_state
+
+    monkeypatch.setenv("DSPARK_COMMIT", "c10fe3d")
+    assert git_state() == {"commit": "c10fe3d", "dirty": None}
+    monkeypatch.delenv("DSPARK_COMMIT")
+    assert len(git_state()["commit"]) == 40
