@@ -4,7 +4,8 @@ Phases (each a subprocess with its own time limit; a failing phase does not stop
 1. `tests`: the `gpu`-marked tests (flex attention equal to SDPA, the stock CUDA connector,
    bf16 paths), with a JUnit XML report.
 2. `train_step`: the training-step benchmark (`bench/bench_train_step.py`) on the GPU in bf16
-   autocast with flex attention, against speculators (its fused losses, flex attention).
+   autocast with flex attention, against speculators (its fused losses, or its eager ones where
+   the fused ones fail to compile, and flex attention).
 3. `decode`: speculative decoding (`bench/bench_decode.py`) on the GPU against plain decoding of
    the same verifier: verifier forwards per token and the wall-time ratio (float32).
 4. `serving`: the embedded default end to end on the GPU (`make demo`'s stages: data, extract,
@@ -208,9 +209,8 @@ def figures(name: str, out: Path) -> dict | None:
 
 def markdown(report: dict) -> str:
     """The report as Markdown tables."""
-    lines = ["# GPU check", "", f"device: {report['device']}", "", "| phase | exit | seconds |", "|---|---|---|"]
-    lines.insert(3, f"commit: {report.get('commit')}, {report.get('date')}")
-    lines.insert(4, "")
+    lines = ["# GPU check", "", f"device: {report['device']}", f"commit: {report.get('commit')}, {report.get('date')}"]
+    lines += ["", "| phase | exit | seconds |", "|---|---|---|"]
     lines += [
         f"| {p} | {r['rc'] if 'skipped' not in r else 'skipped: ' + r['skipped']} | {r['seconds']} |"
         for p, r in report["phases"].items()
