@@ -44,12 +44,14 @@ SHARES = {"tests": 0.25, "train_step": 0.15, "decode": 0.1, "serving": 0.5}
 
 @dataclass
 class Phase:
-    """One phase: the commands it runs (in order, stopping at the first failure) and its time limit."""
+    """One phase: the commands it runs (in order, stopping at the first failure), its time limit, and
+    why it cannot run on this machine (None: it can)."""
 
     name: str
     commands: list[list[str]]
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 60.0
+    skipped: str | None = None
 
 
 def plan(python: str, out: Path, only: tuple[str, ...], budget_s: float) -> list[Phase]:
@@ -106,9 +108,11 @@ def plan(python: str, out: Path, only: tuple[str, ...], budget_s: float) -> list
         ),
     }
     chosen = [phases[name] for name in PHASES if name in only]
-    total = sum(SHARES[p.name] for p in chosen if not skip_reason(p.name)) or 1.0  # skipped phases take no time
     for p in chosen:
-        p.timeout_s = 0 if skip_reason(p.name) else round(budget_s * SHARES[p.name] / total)
+        p.skipped = skip_reason(p.name)
+    total = sum(SHARES[p.name] for p in chosen if not p.skipped) or 1.0  # skipped phases take no time
+    for p in chosen:
+        p.timeout_s = 0 if p.skipped else round(budget_s * SHARES[p.name] / total)
     return chosen
 
 
@@ -320,9 +324,8 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         for p in phases:
             env = " ".join(f"{k}={v}" for k, v in p.env.items())
-            skipped = skip_reason(p.name)
-            if skipped:
-                print(f"[{p.name}] skipped: {skipped}")
+            if p.skipped:
+                print(f"[{p.name}] skipped: {p.skipped}")
                 continue
             print(f"[{p.name}] time limit {p.timeout_s} s" + (f", env {env}" if env else ""))
             for cmd in p.commands:
@@ -351,10 +354,9 @@ def main(argv: list[str]) -> int:
     for p in phases:
         print(f"== {p.name} (limit {p.timeout_s} s)", flush=True)
         result = {"commands": [" ".join(c) for c in p.commands], "env": p.env}
-        skipped = skip_reason(p.name)
-        if skipped:
-            report["phases"][p.name] = {**result, "rc": None, "seconds": 0.0, "skipped": skipped, "figures": None}
-            print(f"   skipped: {skipped}", flush=True)
+        if p.skipped:
+            report["phases"][p.name] = {**result, "rc": None, "seconds": 0.0, "skipped": p.skipped, "figures": None}
+            print(f"   skipped: {p.skipped}", flush=True)
             continue
         result |= run_phase(p, out)
         result["figures"] = figures(p.name, out)
