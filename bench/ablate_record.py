@@ -28,6 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
 # Keys of the resolved config that place a run, not what it trains.
 PLACEMENT_KEYS = ("run_dir", "run_name", "resume")
+# Keys that change how fast a run goes, not what it computes (`train.compile`: compiled kernels, the same
+# step to float rounding; tests/test_model.py): runs that differ only in them score alike.
+SPEED_KEYS = ("compile",)
 
 
 def check_name(kind: str, name: object) -> str:
@@ -98,12 +101,12 @@ def data_fingerprints(train_cfg) -> dict:
 
 
 def resolved_config(full_cfg) -> tuple[dict, dict]:
-    """The composed config as plain values, without the keys that only place the run and without
+    """The composed config as plain values, without the keys that only place the run or set its speed, without
     its `heldout` section; and that section (the held-out protocol the run is scored by)."""
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(full_cfg, resolve=True)
-    for key in PLACEMENT_KEYS:
+    for key in PLACEMENT_KEYS + SPEED_KEYS:
         resolved["train"].pop(key, None)
     return resolved, resolved.pop("heldout")
 

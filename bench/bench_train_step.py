@@ -65,6 +65,8 @@ ATTN = os.environ.get("DSPARK_BENCH_ATTN", "sdpa")
 THREADS, BLOCK, DRAFT_LAYERS, MARKOV_RANK = 2, 4, 5, 256
 ROUNDS = int(os.environ.get("DSPARK_BENCH_ROUNDS", "4"))  # alternating rounds after the warm-up
 LOSS = {"ce": 0.1, "tv": 0.9}
+# The trainer's `train.compile: auto`: compiled draft layers on CUDA (speculators compiles parts of its step there).
+COMPILE = os.environ.get("DSPARK_BENCH_COMPILE", "1" if DEVICE == "cuda" else "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,8 @@ def build(shape: Shape, work: Path):
     config.transformer_layer_config._attn_implementation = "simple_flex_attention" if ATTN == "flex" else "sdpa"
     theirs = DSparkDraftModel.from_pretrained(work / "drafter", config=config).to(DEVICE)
     ours.to(DEVICE)
+    if COMPILE:
+        ours.compile_backbone()
     verifier.to(DEVICE)
     # Frozen vocabulary matrices equal in both models are shared (saves ~1.6 GB at 152k).
     for name in ("embed_tokens", "lm_head", "verifier_lm_head"):
@@ -453,6 +457,7 @@ def main(out_dir: Path) -> dict:
             "device": DEVICE,
             "threads": THREADS if DEVICE == "cpu" else None,
             "attention": ATTN,
+            "compiled_layers": COMPILE,
             "rounds": ROUNDS,
         },
         "rows": rows,

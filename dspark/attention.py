@@ -119,11 +119,20 @@ FLEX_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 @functools.cache
-def compiled_flex_attention():
-    """flex_attention compiled once per process (uncompiled, it materializes every score)."""
+def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
+
+
+def flex_attention_fn():
+    """flex_attention as is inside a compiled region (`train.compile`), else compiled once per
+    process (uncompiled, it materializes every score)."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
+    return _compiled_flex_attention()
 
 
 class DraftAttention(nn.Module):
@@ -179,7 +188,7 @@ class DraftAttention(nn.Module):
         if self.attn_impl == "flex":
             # The main kernel always: below 128 query rows inductor picks its decoding kernel,
             # which found no valid config for a training step of few anchors (seen on an H200).
-            out = compiled_flex_attention()(
+            out = flex_attention_fn()(
                 q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa, kernel_options=FLEX_KERNEL
             )
         else:

@@ -301,6 +301,18 @@ class DSparkDraft(nn.Module):
         blocks = self.block_inputs(input_ids, anchors)
         return self.block_hidden(blocks, cos[:, seq_len:], sin[:, seq_len:], context_kv, layout)
 
+    def compile_backbone(self) -> None:
+        """torch.compile the decoder layers and the context's k/v path in place (`train.compile`;
+        the state-dict keys stay).
+
+        Eager, a layer is ~100 small kernels: on a GPU a step of a few thousand tokens is bound by
+        their launches, not by the GPU (docs/performance.md). One code object serves all layers, and
+        dimensions that change between steps (rows, context length) become dynamic at their first change.
+        """
+        for layer in self.layers:
+            layer.compile()
+        self.context_kv = torch.compile(self.context_kv)
+
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos, sin [b, L, d] of position_ids [b, L] (in the dtype of the block's embeddings)."""
         return self.rotary_emb(self.embed_tokens.weight, position_ids)

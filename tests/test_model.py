@@ -418,3 +418,30 @@ def test_flex_matches_sdpa_on_cuda(verifier, window, causal):
     args = [t.cuda() for t in (context, input_ids, anchors, valid, document_ids)]
     with torch.no_grad():
         torch.testing.assert_close(flex(*args), sdpa(*args), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_compiled_backbone_matches_eager_and_keeps_state_dict_keys(verifier):
+    """`train.compile`: the compiled layers and context path give the eager forward and gradients at two batch shapes
+    (the second makes rows and context length dynamic), and export and checkpoints see the same keys."""
+    eager = make_draft(verifier, draft_config())
+    compiled = make_draft(verifier, draft_config())
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_backbone()
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    for rows, T, A in ((2, 22, 5), (3, 30, 7)):
+        context, input_ids = packed_inputs(rows, T, 3, verifier.hidden_size)
+        anchors = torch.randint(0, T - 4, (rows, A)).sort().values
+        valid = torch.ones_like(anchors, dtype=torch.bool)
+        grads = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            hidden = model(context, input_ids, anchors, valid)
+            hidden.square().mean().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+            if model is eager:
+                expected = hidden.detach()
+        torch.testing.assert_close(hidden.detach(), expected, rtol=1e-4, atol=1e-4)
+        assert grads[0].keys() == grads[1].keys() and grads[0]
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(grads[1][name], grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -234,6 +234,7 @@ ALTERNATIVES = {
     "grad_clip": 0.5,
     "max_nonfinite_steps": 5,
     "mixed_precision": "bf16",
+    "compile": "true",
     "data_workers": 1,
     "prefetch_steps": 3,
     "eval_every": 7,
@@ -284,6 +285,8 @@ def test_resume_matrix_refuses_by_name_or_follows_the_new_value(world, base_run,
         check_follows_config(trainer, ckpt)
         if key == "eval_store":
             assert trainer.eval_store is not None and trainer.eval_refs[0].sample_id == 1000
+        if key == "compile":  # compiled on a CPU too when asked for (auto compiles on CUDA only)
+            assert all(layer._compiled_call_impl is not None for layer in trainer.raw_model.layers)
     assert seen["fixed"] and seen["changes"] and seen["free"]
     assert {"seed", "tokens_per_step", "init_from"} <= set(seen["fixed"])
     assert {"lr", "max_steps", "warmup_ratio", "epochs", "eval_store"} <= set(seen["changes"])

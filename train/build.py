@@ -247,6 +247,8 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     verifier_name = served_verifier_name(target.name_or_path, target_dir)
     if cfg.init_from is not None and resume_from is None:  # a resume's weights are the checkpoint's
         warm_start(model, cfg.init_from, full_cfg, verifier_name)
+    if cfg.compile is True or (cfg.compile == "auto" and accelerator.device.type == "cuda"):
+        model.compile_backbone()
 
     return DSparkTrainer(
         cfg,

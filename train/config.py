@@ -78,6 +78,9 @@ class TrainConfig(Checked):
     (each such step is skipped: the weights are left as they are)."""
     mixed_precision: str
     """`auto` (bf16 on CUDA, fp32 on CPU), `bf16` or `no`."""
+    compile: Any = resume_field("free")
+    """torch.compile the draft's layers and context k/v path: `auto` (on CUDA only: there an eager step is bound by
+    kernel launches, docs/performance.md; on CPU compiling costs more than it saves), true or false."""
     data_workers: int = resume_field("free")
     """Background DataLoader worker processes that read and collate the store (0 = in the training loop)."""
     prefetch_steps: int = resume_field("free")
@@ -127,7 +130,7 @@ class TrainConfig(Checked):
         layers = self.init_layers_from_verifier
         if not (layers in (None, "auto") or isinstance(layers, list) and all(type(i) is int for i in layers)):
             self.refuse("init_layers_from_verifier", "must be auto, null or a list of layer ids")
-        for key in ("init_fc_from_last_aux", "init_norm_from_verifier"):
+        for key in ("init_fc_from_last_aux", "init_norm_from_verifier", "compile"):
             if getattr(self, key) not in (True, False, "auto"):
                 self.refuse(key, "must be true, false or auto")
 
