@@ -41,6 +41,7 @@ here, so the comparison cannot drift apart between files.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -48,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -235,6 +237,8 @@ def build(shape: Shape, work: Path):
     config.transformer_layer_config._attn_implementation = "simple_flex_attention" if ATTN == "flex" else "sdpa"
     theirs = DSparkDraftModel.from_pretrained(work / "drafter", config=config).to(DEVICE)
     ours.to(DEVICE)
+    # What compiling buys, in the same run: the eager step on a copy of the same weights beside it.
+    eager = copy.deepcopy(ours) if COMPILE else None
     if COMPILE:
         ours.compile_backbone()
     verifier.to(DEVICE)
@@ -304,12 +308,17 @@ def build(shape: Shape, work: Path):
     opt_ours = make_optimizer([(n, p) for n, p in ours.named_parameters() if p.requires_grad], opt_cfg)
     opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-4)
 
-    def our_step() -> None:
-        with autocast():
-            out = DSparkTrainer.blocks(trainer, ours, batch, batch["norm_weight"])
-        out.loss.backward()
-        opt_ours.step()
-        opt_ours.zero_grad(set_to_none=True)
+    def our_step_of(model: DSparkDraft, opt) -> Callable[[], None]:
+        owner = SimpleNamespace(**{**vars(trainer), "raw_model": model})
+
+        def step() -> None:
+            with autocast():
+                out = DSparkTrainer.blocks(owner, model, batch, batch["norm_weight"])
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
 
     def their_loss() -> torch.Tensor:
         nonlocal train_kwargs
@@ -352,7 +361,11 @@ def build(shape: Shape, work: Path):
 
     blocks = int(batch["anchor_valid"].sum())
     slots = int(batch["slot_mask"].sum())
-    return {"ours": our_step, "speculators": their_step}, blocks, slots, optimizer_steps, losses
+    steps = {"ours": our_step_of(ours, opt_ours), "speculators": their_step}
+    if eager is not None:
+        eager_params = [(n, p) for n, p in eager.named_parameters() if p.requires_grad]
+        steps["ours_eager"] = our_step_of(eager, make_optimizer(eager_params, opt_cfg))
+    return steps, blocks, slots, optimizer_steps, losses
 
 
 def measure(shape: Shape, work: Path) -> dict:
@@ -404,6 +417,8 @@ def measure(shape: Shape, work: Path) -> dict:
         "flop_limit_fraction": {k: round(flops / v / matmul, 3) for k, v in median.items()},
         "adamw_step_s": {k: round(v, 3) for k, v in optimizer.items()},
         "speculators_losses": losses,
+        # eager step time over the compiled one's (train.compile), where the step was compiled
+        "compile_speedup": round(median["ours_eager"] / median["ours"], 3) if "ours_eager" in median else None,
     }
 
 
@@ -442,7 +457,8 @@ def main(out_dir: Path) -> dict:
             f"(min {row['throughput_ratio_min_max'][0]}, max {row['throughput_ratio_min_max'][1]}); "
             f"FLOP-limit fraction ours {row['flop_limit_fraction']['ours']}, speculators "
             f"{row['flop_limit_fraction']['speculators']}; shares {row['time_shares']}; AdamW step "
-            f"{row['adamw_step_s']}",
+            f"{row['adamw_step_s']}"
+            + (f"; compiled step {row['compile_speedup']}x the eager one" if row["compile_speedup"] else ""),
             flush=True,
         )
     figures = {
