@@ -80,7 +80,7 @@ class TrainConfig(Checked):
     """`auto` (bf16 on CUDA, fp32 on CPU), `bf16` or `no`."""
     compile: Any = resume_field("free")
     """torch.compile the draft's layers and context k/v path: `auto` (on CUDA only: there an eager step is bound by
-    kernel launches; on CPU a step gains ~6% for a compile of about a minute, docs/performance.md), true or false."""
+    kernel launches; on CPU a step gained ~6%, less than worth a compile at every start, docs/performance.md), true or false."""
     data_workers: int = resume_field("free")
     """Background DataLoader worker processes that read and collate the store (0 = in the training loop)."""
     prefetch_steps: int = resume_field("free")
