@@ -5,7 +5,8 @@ its aux layer ids + the final layer, the `server` env, the client concurrency) o
 conversations in the model's chat template with their own replies, cut to 1024 tokens.
 Two servers of the same model, dtype, max_model_len, environment and compile settings are
 up together and timed in alternating rounds (so drifting load on a shared machine hits
-both alike):
+both alike; each round runs the timed passes below in an order rotated by one place, so
+none of them always follows its server's idle spell):
 
 - plain:   no extraction. Every sample is one `/v1/completions` request (prompt = token
            ids, max_tokens=1): the prefill the verifier does anyway (the baseline);
@@ -54,6 +55,8 @@ MAX_TOKENS = 1024
 # Shards of this many tokens in the timed extraction: ~8 commits over the samples, each
 # overlapping the next requests as every shard but the last does in a long run.
 STEADY_SHARD = 4096
+# The timed runs of a round, each round in this order rotated by one more place.
+TIMED = ("plain", "steady", "one-shard", "dropped", "deterministic")
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -204,50 +207,43 @@ def main(out_dir: Path) -> dict:
                     one_by_one.url, staging / "deterministic", model, warm_rows, verifier, ex, None, ex.concurrency
                 )
             )
-            plain_s, extract_s, one_shard_s, dropped_s, deterministic_s = [], [], [], [], []
+            times: dict[str, list[float]] = {name: [] for name in TIMED}
             for r in range(ROUNDS):
-                stores = [
-                    StoreWriter.create_or_open(
+                stores = {
+                    kind: StoreWriter.create_or_open(
                         str(tmp / f"store-{r}-{kind}"), verifier.store_attrs(), verifier.tokenizer_sha256
                     )
                     for kind in ("steady", "one-shard")
-                ]
-                plain_s.append(timed(lambda: plain_prefill(plain.url, model, rows, ex.concurrency)))
-                extract_s.append(
-                    timed(
-                        lambda s=stores[0]: extraction(
-                            extracting.url, staging / "normal", model, rows, verifier, ex, s, shard_tokens=STEADY_SHARD
-                        )
-                    )
-                )
-                one_shard_s.append(
-                    timed(
-                        lambda s=stores[1]: extraction(extracting.url, staging / "normal", model, rows, verifier, ex, s)
-                    )
-                )
-                for store in stores:
+                }
+                runs = {
+                    "plain": lambda: plain_prefill(plain.url, model, rows, ex.concurrency),
+                    "steady": lambda stores=stores: extraction(
+                        extracting.url,
+                        staging / "normal",
+                        model,
+                        rows,
+                        verifier,
+                        ex,
+                        stores["steady"],
+                        shard_tokens=STEADY_SHARD,
+                    ),
+                    "one-shard": lambda stores=stores: extraction(
+                        extracting.url, staging / "normal", model, rows, verifier, ex, stores["one-shard"]
+                    ),
+                    "dropped": lambda: extraction(
+                        extracting.url, staging / "normal", model, warm_rows, verifier, ex, None, ex.concurrency
+                    ),
+                    "deterministic": lambda: extraction(
+                        one_by_one.url, staging / "deterministic", model, warm_rows, verifier, ex, None, ex.concurrency
+                    ),
+                }
+                # Each round starts one later in the list: a run that follows an idle spell of its
+                # server (or a busy one of another) is not always the same one.
+                for name in TIMED[r % len(TIMED) :] + TIMED[: r % len(TIMED)]:
+                    times[name].append(timed(runs[name]))
+                for store in stores.values():
                     assert len(store.committed_sample_ids()) == len(rows)
-                dropped_s.append(
-                    timed(
-                        lambda: extraction(
-                            extracting.url, staging / "normal", model, warm_rows, verifier, ex, None, ex.concurrency
-                        )
-                    )
-                )
-                deterministic_s.append(
-                    timed(
-                        lambda: extraction(
-                            one_by_one.url,
-                            staging / "deterministic",
-                            model,
-                            warm_rows,
-                            verifier,
-                            ex,
-                            None,
-                            ex.concurrency,
-                        )
-                    )
-                )
+            plain_s, extract_s, one_shard_s, dropped_s, deterministic_s = (times[name] for name in TIMED)
         disk = store_bytes(str(tmp / "store-0-one-shard"))
     ratios = [e / p for e, p in zip(extract_s, plain_s)]
     figures = {

@@ -6,6 +6,10 @@ build the pinned allocation and the CUDA events crash the engine at the first fi
 request. This subclass keeps everything else (file naming, the `.lock` protocol, the
 scheduler side) and replaces only the copy: the states are already in host memory, so
 it writes the file synchronously and reports the request as finished once it is on disk.
+It stages the states as bf16, the precision the store keeps: a float32 verifier (the CPU
+default) would otherwise stage twice the bytes for the client to read and round (the same
+round-to-nearest-even, so the stored bits are unchanged; a value past bf16's range stages as
+inf, which the client refuses as it did).
 
 Loaded by vLLM through `kv_connector_module_path="dspark.extract.connector"`; only the engine
 process imports it.
@@ -22,7 +26,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
     PendingSave,
-    extract_from_kv_cache,
 )
 
 
@@ -38,11 +41,11 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         if not self._is_tp_rank_zero:
             return
         assert self._kv_cache is not None
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slot_mapping = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
-        # The gather copies out of the cache blocks (which are freed right after).
-        hidden = extract_from_kv_cache(self._kv_cache, slot_mapping, pending.token_ids.shape[0])
+        # Token t sits in cache block block_ids[t // block_size] at offset t % block_size: gather
+        # the request's n tokens only (the copy outlives the cache blocks, freed right after).
+        positions = torch.arange(pending.token_ids.shape[0])
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)[positions // self._block_size]
+        hidden = self._kv_cache[blocks, :, positions % self._block_size].to(torch.bfloat16)
 
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
