@@ -19,7 +19,7 @@ from train_stores import (
 )
 
 from bench import ablate
-from bench.ablate_record import REPO, digest, git_state, provenance, read_json
+from bench.ablate_record import REPO, digest, git_state, provenance, read_json, store_fingerprint
 from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
 from bench.ablate_variants import load_config
 from dspark.errors import UserError
@@ -443,3 +443,27 @@ def test_every_benchmark_json_records_the_commit_that_measured_it(tmp_path):
     assert on_disk["made"]["commit"] and len(on_disk["made"]["date"]) == 10
     own = {"commit": "abc", "dirty": False}  # figures that say what made them (ablations.json) keep it
     assert json.loads(json.dumps(write_figures(tmp_path, "own", {"made": own})))["made"] == own
+
+
+@pytest.mark.slow  # reads the trained tiny runs: make test, not make test-fast
+def test_memorization_scores_a_run_on_its_own_training_conversations(tiny_world, tiny_ablation, monkeypatch):
+    from bench import memorization
+
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    out = tiny_ablation.parent / "memorization_out"
+    config = f"config={tiny_ablation.parent / 'runs.yaml'}"
+    assert memorization.main([config, "runs=default:1:0", "samples=3", f"out={out}"]) == 0
+    result = json.loads((out / "memorization.json").read_text())
+    (row,) = result["runs"]
+    record = read_json(tiny_ablation / "default" / "x1_s0" / "ablate.json")
+    assert row["trained"] == record["trained"] and row["config_sha256"] == record["config_sha256"]
+    assert row["heldout_tau"]["mean"] == pytest.approx(
+        Blocks.load(tiny_ablation / "default" / "x1_s0" / "ablate.npz").tau.mean(), abs=1e-4
+    )
+    # 3 of the 12 training conversations, not the 4 held-out ones
+    assert row["train_set_tau"]["conversations"] == 3 and row["heldout_tau"]["conversations"] == 4
+    assert 1.0 <= row["train_set_tau"]["mean"] <= 5.0
+    assert row["gap"] == pytest.approx(row["train_set_tau"]["mean"] - row["heldout_tau"]["mean"], abs=1e-4)
+    assert result["train_store_fingerprint"] == store_fingerprint(str(tiny_world / "store" / "train"))
+    with pytest.raises(UserError, match="no scored run"):
+        memorization.main([config, "runs=baseline:4:0", f"out={out}"])
