@@ -71,18 +71,24 @@ def main(argv: list[str]) -> int:
     root = Path(os.path.expandvars(cfg["runs_dir"]))
     if bench_data is not None:
         root = root / "bench_data" / bench_data["name"]
-    rows = []
+    runs = []  # every named run checked before any is scored
     for spec in args["runs"].split(","):
         try:
             variant, budget, seed = spec.split(":")
             budget, seed = int(budget), int(seed)
         except ValueError as e:
             raise UserError(f"runs={args['runs']}: expected VARIANT:BUDGET:SEED items, got {spec!r}") from e
+        if variant not in cfg["variants"]:
+            raise UserError(
+                f"runs: {variant!r} is not a variant {args['config']} runs; it runs {list(cfg['variants'])}"
+            )
         run_dir = root / variant / f"x{budget}_s{seed}"
-        record_path = run_dir / "ablate.json"
-        if not record_path.is_file():
+        if not (run_dir / "ablate.json").is_file():
             raise UserError(f"{run_dir}: no scored run there (run `make ablate` for it first)")
-        record = json.loads(record_path.read_text())
+        runs.append((variant, budget, seed, run_dir))
+    rows = []
+    for variant, budget, seed, run_dir in runs:
+        record = json.loads((run_dir / "ablate.json").read_text())
         full_cfg = compose(run_overrides(cfg, variant, budget, seed, run_dir))
         held = Blocks.load(run_dir / "ablate.npz")
         train = train_set_blocks(run_dir, full_cfg, samples)

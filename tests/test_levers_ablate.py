@@ -465,5 +465,8 @@ def test_memorization_scores_a_run_on_its_own_training_conversations(tiny_world,
     assert 1.0 <= row["train_set_tau"]["mean"] <= 5.0
     assert row["gap"] == pytest.approx(row["train_set_tau"]["mean"] - row["heldout_tau"]["mean"], abs=1e-4)
     assert result["train_store_fingerprint"] == store_fingerprint(str(tiny_world / "store" / "train"))
+    # every named run is checked before any is scored
     with pytest.raises(UserError, match="no scored run"):
-        memorization.main([config, "runs=baseline:4:0", f"out={out}"])
+        memorization.main([config, "runs=default:1:0,baseline:4:0", f"out={out}"])
+    with pytest.raises(UserError, match="not a variant"):
+        memorization.main([config, "runs=default:1:0,nope:1:0", f"out={out}"])
