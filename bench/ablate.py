@@ -106,16 +106,17 @@ def compose(overrides: list[str]):
 
 
 # ----- scoring -----
-def score(draft, verifier, full_cfg) -> Blocks:
-    """The offline evaluation's per-block acceptance of `draft` on the run's held-out store, under the
-    run's `heldout` protocol."""
+def score(draft, verifier, full_cfg, store=None, max_samples: int | None = None) -> Blocks:
+    """The offline evaluation's per-block acceptance of `draft` on the run's held-out store (or on
+    `store`, its first `max_samples` samples), under the run's `heldout` protocol."""
     from dspark.config import HeldoutConfig, load_section
     from dspark.eval.offline import evaluate_store, open_heldout_store
 
     heldout = load_section(HeldoutConfig, full_cfg, "heldout")
-    store = open_heldout_store(full_cfg.train.eval_store)
+    if store is None:
+        store, max_samples = open_heldout_store(full_cfg.train.eval_store), heldout.max_samples
     device = draft.fc.weight.device
-    table = evaluate_store(draft, verifier, store, heldout, device, heldout.max_samples, desc="ablate eval")
+    table = evaluate_store(draft, verifier, store, heldout, device, max_samples, desc="ablate eval")
     return Blocks(table.alpha, table.slot_mask, np.stack([table.sample_id, table.anchor_pos], 1))
 
 

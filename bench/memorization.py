@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from bench import split_args, write_figures
-from bench.ablate import compose, run_overrides, with_bench_data
+from bench.ablate import compose, run_overrides, score, with_bench_data
 from bench.ablate_record import store_fingerprint
 from bench.ablate_stats import Blocks, clustered_mean_se
 from bench.ablate_variants import load_config
@@ -33,10 +33,6 @@ USAGE = (
 
 def train_set_blocks(run_dir: Path, full_cfg, samples: int) -> Blocks:
     """The run's drafter scored on the first `samples` conversations of its training store."""
-    import numpy as np
-
-    from dspark.config import HeldoutConfig, load_section
-    from dspark.eval.offline import evaluate_store
     from dspark.export import load_drafter
     from dspark.store import ShardStore
     from dspark.targets import resolve_target_dir
@@ -45,10 +41,8 @@ def train_set_blocks(run_dir: Path, full_cfg, samples: int) -> Blocks:
     draft = load_drafter(run_dir / "drafter")
     verifier = VerifierHead.from_pretrained(resolve_target_dir(full_cfg.target.name_or_path, full_cfg.target.revision))
     draft.load_verifier(verifier)
-    heldout = load_section(HeldoutConfig, full_cfg, "heldout")
     store = ShardStore.open(full_cfg.train.train_store)  # the training split, on purpose
-    table = evaluate_store(draft, verifier, store, heldout, draft.fc.weight.device, samples, desc="train-set eval")
-    return Blocks(table.alpha, table.slot_mask, np.stack([table.sample_id, table.anchor_pos], 1))
+    return score(draft, verifier, full_cfg, store, samples)
 
 
 def tau(blocks: Blocks) -> dict:
@@ -109,7 +103,7 @@ def main(argv: list[str]) -> int:
             f"{row['heldout_tau']['se']:.4f}, gap {row['gap']:+.4f}",
             flush=True,
         )
-    train_store = compose(run_overrides(cfg, rows[0]["variant"], 1, 0, root)).train.train_store
+    train_store = full_cfg.train.train_store  # the same store for every run of the file
     write_figures(
         Path(args["out"]),
         "memorization",
