@@ -298,7 +298,9 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
     variants = only or list(cfg["variants"])
     unknown = sorted(set(variants) - set(cfg["variants"]))
     if unknown:
-        raise UserError(f"unknown variant(s) {unknown}; have {list(cfg['variants'])}")
+        left_out = [name for name in unknown if name in cfg.get("left_out", ())]
+        hint = f" ({left_out} are defined but not in the file's `only:` list)" if left_out else ""
+        raise UserError(f"unknown variant(s) {unknown}; have {list(cfg['variants'])}{hint}")
     against = {name: spec["against"] for name, spec in cfg["variants"].items() if spec["against"] is not None}
     for name in variants:
         if name in against and against[name] not in variants:

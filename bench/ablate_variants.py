@@ -82,6 +82,7 @@ def load_config(path: Path) -> dict:
             f"{path}: only must list variants of {list(specs)}, the reference {cfg['reference']!r} among them"
         )
     cfg["variants"] = {name: expand_variant(path, specs, name, cfg["recipe"]) for name in run}
+    cfg["left_out"] = [name for name in specs if name not in run]  # defined, not named by `only:`
     return cfg
 
 

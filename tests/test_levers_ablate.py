@@ -197,7 +197,10 @@ def test_a_variant_file_extends_another_and_runs_the_variants_it_names(tmp_path)
     assert list(cfg["variants"]) == ["base", "lever", "mine"] and cfg["seeds"] == [4] and cfg["steps"] == 1
     assert cfg["variants"]["lever"] == {"recipe": "default", "overrides": ["z=0", "b=2"], "against": "base"}
     assert cfg["variants"]["mine"] == {"recipe": "default", "overrides": ["c=3"], "against": "other"}
-    assert "only" not in cfg and "extends" not in cfg
+    assert "only" not in cfg and "extends" not in cfg and cfg["left_out"] == ["other"]
+    # asked for by name, a variant the file defines but does not run says why it cannot
+    with pytest.raises(UserError, match=r"\['other'\] are defined but not in the file's `only:` list"):
+        ablate.run_ablation(cfg, tmp_path / "out", only=["base", "other"])
     for keys, message in [
         ({"only": ["base", "nope"]}, "only must list variants of"),
         ({"only": ["lever"]}, "the reference 'base' among them"),
