@@ -54,7 +54,7 @@ import numpy as np
 from bench import write_figures
 from bench.ablate_record import REPO, check_name, git_state, provenance, read_json
 from bench.ablate_stats import Blocks, summarize
-from bench.ablate_variants import load_config
+from bench.ablate_variants import check_variants, load_config
 from dspark.entry import script_main
 from dspark.errors import UserError
 
@@ -296,11 +296,7 @@ def with_bench_data(cfg: dict) -> tuple[dict, dict | None]:
 def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dict:
     cfg, bench_data = with_bench_data(cfg)
     variants = only or list(cfg["variants"])
-    unknown = sorted(set(variants) - set(cfg["variants"]))
-    if unknown:
-        left_out = [name for name in unknown if name in cfg.get("left_out", ())]
-        hint = f" ({left_out} are defined but not in the file's `only:` list)" if left_out else ""
-        raise UserError(f"unknown variant(s) {unknown}; have {list(cfg['variants'])}{hint}")
+    check_variants(cfg, variants)
     against = {name: spec["against"] for name, spec in cfg["variants"].items() if spec["against"] is not None}
     for name in variants:
         if name in against and against[name] not in variants:

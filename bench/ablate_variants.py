@@ -86,6 +86,18 @@ def load_config(path: Path) -> dict:
     return cfg
 
 
+def check_variants(cfg: dict, names: list[str]) -> None:
+    """Refuse names that are not variants the loaded file (`load_config`) runs, saying which of them
+    it defines but leaves out of its `only:` list."""
+    unknown = sorted(set(names) - set(cfg["variants"]))
+    if unknown:
+        left_out = [name for name in unknown if name in cfg.get("left_out", ())]
+        hint = f" ({left_out} are defined but not in the file's `only:` list)" if left_out else ""
+        raise UserError(
+            f"unknown variant(s) {unknown}: not a variant the file runs; it runs {list(cfg['variants'])}{hint}"
+        )
+
+
 def check_heldout(path: Path, heldout: object) -> dict:
     """The file's `heldout` mapping: keys of the shared held-out protocol (`conf/heldout/`) to override."""
     known = {f.name for f in fields(HeldoutConfig)}

@@ -21,7 +21,7 @@ from bench import split_args, write_figures
 from bench.ablate import compose, run_overrides, score, with_bench_data
 from bench.ablate_record import store_fingerprint
 from bench.ablate_stats import Blocks, clustered_mean_se
-from bench.ablate_variants import load_config
+from bench.ablate_variants import check_variants, load_config
 from dspark.entry import script_main
 from dspark.errors import UserError
 
@@ -72,10 +72,7 @@ def main(argv: list[str]) -> int:
             budget, seed = int(budget), int(seed)
         except ValueError as e:
             raise UserError(f"runs={args['runs']}: expected VARIANT:BUDGET:SEED items, got {spec!r}") from e
-        if variant not in cfg["variants"]:
-            raise UserError(
-                f"runs: {variant!r} is not a variant {args['config']} runs; it runs {list(cfg['variants'])}"
-            )
+        check_variants(cfg, [variant])
         run_dir = root / variant / f"x{budget}_s{seed}"
         if not (run_dir / "ablate.json").is_file():
             raise UserError(f"{run_dir}: no scored run there (run `make ablate` for it first)")
