@@ -232,6 +232,7 @@ ALTERNATIVES = {
     "warmup_ratio": 0.5,
     "min_lr_ratio": 0.5,
     "grad_clip": 0.5,
+    "context_noise": 0.1,
     "max_nonfinite_steps": 5,
     "mixed_precision": "bf16",
     "compile": "true",
