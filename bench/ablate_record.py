@@ -31,9 +31,6 @@ PLACEMENT_KEYS = ("run_dir", "run_name", "resume")
 # Keys that change how fast a run goes, not what it computes (`train.compile`: compiled kernels, the same
 # step to float rounding; tests/test_model.py): runs that differ only in them score alike.
 SPEED_KEYS = ("compile",)
-# Keys added to `train:` after results were recorded, with the value that trains as before the key existed:
-# at that value they are left out of a run's key, so the runs recorded before stay reusable.
-ADDED_KEYS_OFF = {"context_noise": 0.0}
 
 
 def check_name(kind: str, name: object) -> str:
@@ -111,9 +108,6 @@ def resolved_config(full_cfg) -> tuple[dict, dict]:
     resolved = OmegaConf.to_container(full_cfg, resolve=True)
     for key in PLACEMENT_KEYS + SPEED_KEYS:
         resolved["train"].pop(key, None)
-    for key, off in ADDED_KEYS_OFF.items():
-        if resolved["train"].get(key) == off:
-            del resolved["train"][key]
     return resolved, resolved.pop("heldout")
 
 

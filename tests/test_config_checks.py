@@ -94,7 +94,6 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("eval", "eval.calibration.fit_fraction=1", "eval", "eval.calibration.fit_fraction must be in (0, 1)"),
         ("eval", "eval.online.dtype=fp64", "eval", "eval.online.dtype must be one of"),
         ("serve", "serve.num_speculative_tokens=0", "serve", "serve.num_speculative_tokens must be null or >= 1"),
-        ("train", "train.context_noise=-0.1", "train", "train.context_noise must be >= 0"),
         ("prune", "prune.min_count=0", "prune", "prune.min_count must be >= 1"),
     ],
 )
@@ -117,7 +116,6 @@ def test_a_bad_value_is_refused_at_load_time_naming_the_field(stage, override, s
             "train.lr_scales.markov_embed_proj must be a finite number, got -inf",
         ),
         ("train", "loss.hidden_weight=nan", "loss", "loss.hidden_weight must be a finite number, got nan"),
-        ("train", "train.context_noise=nan", "train", "train.context_noise must be a finite number, got nan"),
         ("train", "loss.weights={tv: nan}", "loss", "loss.weights.tv must be a finite number, got nan"),
         ("train", "model.block_size=nan", "model", "model.block_size: Value 'nan' of type 'float' could not be"),
         ("eval", "eval.calibration.t_min=nan", "eval", "eval.calibration.t_min must be a finite number, got nan"),

@@ -264,7 +264,7 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
     for train_on_prompt in (False, True):
         trainer = DSparkTrainer.__new__(DSparkTrainer)  # prepare_batch reads only these fields
         trainer.block_size = BLOCK
-        trainer.cfg = SimpleNamespace(seed=0, context_noise=0.0)
+        trainer.cfg = SimpleNamespace(seed=0)
         trainer.loss_cfg = SimpleNamespace(
             num_anchors=64, anchor_sampling="uniform",
             gamma=4.0, train_on_prompt=train_on_prompt,
@@ -280,49 +280,3 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
         label_pos = (out["target_pos"] + 1)[out["slot_mask"]]
         rows = torch.arange(2)[:, None, None].expand_as(out["slot_mask"])[out["slot_mask"]]
         assert allowed[rows, label_pos].all()  # no scored slot on padding (or on a prompt, unless asked)
-
-
-def test_context_noise_perturbs_each_window_by_its_relative_size_and_keeps_its_anchors():
-    """train.context_noise: each window's context gets Gaussian noise of std scale·RMS per token and aux
-    layer (padding, all zeros, stays zero), drawn after the anchors from the window's own generator: the
-    anchors and targets are those of the run without noise, and the same window draws the same noise."""
-    from dspark.store import Sample
-    from dspark.train.data import collate
-    from dspark.train.dspark_trainer import DSparkTrainer
-
-    rng = np.random.default_rng(0)
-
-    def sample(sample_id: int, n: int) -> Sample:
-        mask = np.zeros(n, np.uint8)
-        mask[6:] = 1
-        # two aux layers of width 4 plus the final layer, at very different scales (1 and 100)
-        hidden = rng.standard_normal((n, 3, 4)).astype(np.float32) * np.array([1.0, 100.0, 1.0])[:, None]
-        bf16 = torch.from_numpy(hidden).to(torch.bfloat16).view(torch.uint16).numpy()
-        return Sample(sample_id, np.arange(n, dtype=np.int32), mask, bf16)
-
-    batch = collate([sample(0, 400), sample(1, 300)], [0, 0])
-
-    def prepared(scale: float, epoch: int = 0) -> dict:
-        trainer = DSparkTrainer.__new__(DSparkTrainer)  # prepare_batch reads only these fields
-        trainer.block_size, trainer.num_aux = BLOCK, 2
-        trainer.cfg = SimpleNamespace(seed=0, context_noise=scale)
-        trainer.loss_cfg = SimpleNamespace(num_anchors=16, anchor_sampling="uniform", gamma=4.0, train_on_prompt=False)
-        return trainer.prepare_batch(batch, epoch=epoch)
-
-    clean, noisy, again = prepared(0.0), prepared(0.2), prepared(0.2)
-    assert torch.equal(clean["context"], batch["context"])
-    for key in ("anchors", "anchor_valid", "labels", "target_pos", "slot_mask"):
-        assert torch.equal(clean[key], noisy[key]), key
-    assert torch.equal(noisy["context"], again["context"])
-    # the noise, in units of each token's RMS in its aux layer, has std 0.2 in both layers
-    ctx, noise = (
-        batch["context"].float().view(2, -1, 2, 4),
-        (noisy["context"] - batch["context"]).float().view(2, -1, 2, 4),
-    )
-    real = torch.arange(400) < torch.tensor([[400], [300]])
-    rms = ctx.pow(2).mean(-1, keepdim=True).sqrt()
-    relative = (noise / rms)[real]  # [real tokens, 2, 4]
-    for layer in range(2):
-        assert abs(relative[:, layer].std().item() - 0.2) < 0.02, layer
-    assert noisy["context"][1, 300:].abs().sum() == 0  # padding
-    assert not torch.equal(prepared(0.2, epoch=1)["context"], noisy["context"])  # each epoch draws anew

@@ -19,7 +19,7 @@ from train_stores import (
 )
 
 from bench import ablate
-from bench.ablate_record import REPO, digest, git_state, provenance, read_json, resolved_config, store_fingerprint
+from bench.ablate_record import REPO, digest, git_state, provenance, read_json, store_fingerprint
 from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
 from bench.ablate_variants import load_config
 from dspark.errors import UserError
@@ -420,17 +420,6 @@ def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_
     elsewhere = provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, tmp_path / "x")))
     assert elsewhere["train_key"] == keys["lr"]["train_key"]
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
-
-
-def test_a_key_added_at_its_off_value_keeps_the_runs_recorded_before_it():
-    """`train.context_noise` came after recorded runs: at 0 (off) a run keys as one composed without the
-    key, so those runs stay reusable; switched on it is another run."""
-
-    def key(overrides: list[str]) -> str:
-        return digest(resolved_config(ablate.compose(overrides))[0])
-
-    assert key([]) == key(["~train.context_noise"])
-    assert key(["train.context_noise=0.1"]) != key([])
 
 
 def test_make_ablate_trains_todays_defaults_from_the_recipe_alone(tmp_path):

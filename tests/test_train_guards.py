@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
 from dspark.train.__main__ import run
 from dspark.train.build import build_trainer, make_accelerator
-from dspark.train.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from dspark.train.checkpoint import CONFIG_FILE, WEIGHTS_FILE, latest_checkpoint
 from dspark.train.config import TrainConfig
 from dspark.train.data import StoreSplit
 from dspark.train.dspark_trainer import DSparkTrainer
@@ -232,7 +233,6 @@ ALTERNATIVES = {
     "warmup_ratio": 0.5,
     "min_lr_ratio": 0.5,
     "grad_clip": 0.5,
-    "context_noise": 0.1,
     "max_nonfinite_steps": 5,
     "mixed_precision": "bf16",
     "compile": "true",
@@ -390,6 +390,26 @@ def test_a_held_out_store_with_nothing_to_score_is_a_user_error(world, tmp_path)
     settings = {"train.eval_store": tmp_path / "eval", "train.eval_every": 1}
     with pytest.raises(UserError, match=r"no held-out sample has a block to score.*train.eval_store=null"):
         run(config(world, tmp_path / "run", **settings))
+
+
+def test_a_run_dir_in_use_is_refused_untouched_and_freed_when_its_holder_is_killed(world, tmp_path):
+    """A second run into a live run's train.run_dir (a relaunch, a second `make ablate`) is a UserError
+    naming the holder, before it writes anything; a holder killed with SIGKILL frees the dir at once."""
+    run_dir = tmp_path / "run"
+    code = "import sys, time; from pathlib import Path; from dspark.run_lock import try_lock; "
+    code += "lock = try_lock(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        in_use = f"train.run_dir={run_dir} is in use by another training run (pid {holder.pid} on "
+        with pytest.raises(UserError, match=re.escape(in_use)):
+            run(config(world, run_dir, **{"train.resume": "restart"}))
+        assert sorted(p.name for p in run_dir.iterdir()) == ["train.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    run(config(world, run_dir))
+    assert latest_checkpoint(run_dir) is not None
 
 
 def write_poisoned_store(url: Path, verifier: Path, samples, poisoned: set[int]) -> None:

@@ -3,13 +3,15 @@
 Every process runs this; accelerate picks up torchrun's environment (NCCL on GPUs, gloo
 on CPU) and DDP-wraps the draft. Without CUDA the same command runs N CPU processes.
 Under torchrun every rank dies with its launcher (parent-death signal), and a rank whose
-peer died or hung fails after `train.collective_timeout_s` instead of waiting forever.
+peer died or hung fails after `train.collective_timeout_s` instead of waiting forever. One run at a
+time holds its `train.run_dir` (`dspark.run_lock`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -17,6 +19,7 @@ from omegaconf import DictConfig
 from dspark.config import load_section
 from dspark.entry import stage_main
 from dspark.lifetime import die_with_parent
+from dspark.run_lock import holding_run_dir
 from dspark.train.build import build_trainer, check_devices, make_accelerator
 from dspark.train.config import TrainConfig
 
@@ -29,7 +32,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         die_with_parent(signal.SIGKILL)
     accelerator = make_accelerator(train_cfg)
     try:
-        return build_trainer(cfg, accelerator).fit()
+        with holding_run_dir(Path(train_cfg.run_dir), accelerator):
+            return build_trainer(cfg, accelerator).fit()
     except RuntimeError as err:
         # NCCL raises DistError subclasses; gloo a RuntimeError naming its source file.
         if not isinstance(err, torch.distributed.DistError) and "gloo" not in str(err):

@@ -71,9 +71,6 @@ class TrainConfig(Checked):
     """Fraction of all steps with linear warmup from 0 to `lr`."""
     min_lr_ratio: float
     """Cosine decay ends at `lr * min_lr_ratio`."""
-    context_noise: float
-    """Training only: Gaussian noise added to the draft's context (the verifier's aux hidden states), its std
-    this fraction of each token's RMS in each aux layer; 0 = off (docs/levers.md)."""
     grad_clip: float | None
     """Clip the global gradient norm to this value (null = no clipping)."""
     max_nonfinite_steps: int = resume_field("free")
@@ -116,7 +113,7 @@ class TrainConfig(Checked):
             "prefetch_steps",
             "max_nonfinite_steps",
         )
-        self.at_least(0, "eval_every", "data_workers", "weight_decay", "context_noise")
+        self.at_least(0, "eval_every", "data_workers", "weight_decay")
         self.at_least(1, "max_steps", nullable=True)
         self.positive("lr", "collective_timeout_s")
         self.positive("grad_clip", nullable=True)

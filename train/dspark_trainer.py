@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from dspark.anchors import slot_targets, train_anchors
-from dspark.augment import noisy_context
 from dspark.config import HeldoutConfig, LossConfig
 from dspark.errors import UserError
 from dspark.eval.offline import heldout_samples, score_samples
@@ -51,7 +50,6 @@ class DSparkTrainer(Trainer):
         self.loss_cfg = loss_cfg
         self.heldout = heldout
         self.block_size = model.block_size
-        self.num_aux = len(model.aux_layer_ids)
         self.verifier_name_or_path = verifier_name_or_path
         self.workspace = Workspace()  # the loss's vocabulary-sized buffers, reused every step
         super().__init__(*args, model=model, **kwargs)
@@ -60,22 +58,16 @@ class DSparkTrainer(Trainer):
 
     # ----- data (runs in the loader workers) -----
     def prepare_batch(self, batch: Batch, *, epoch: int) -> Batch:
-        """Anchors (resampled each epoch, one generator per window), each slot's targets and, with
-        `train.context_noise`, the window's context perturbed (drawn after its anchors, from the same generator)."""
+        """Anchors (resampled each epoch, one generator per window) and each slot's targets."""
         # Which tokens anchors and scored slots may lie on: the replies' (loss_mask), or with
         # loss.train_on_prompt every real token, the prompts' too.
         trained = batch["token_mask"] if self.loss_cfg.train_on_prompt else batch["loss_mask"]
         rows = []
-        context = batch["context"]
-        if self.cfg.context_noise:
-            context = context.clone()
         windows = zip(batch["sample_ids"].tolist(), batch["window_starts"].tolist(), strict=True)
         for row, (sample_id, start) in enumerate(windows):
             gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, epoch, sample_id, start))
             mask = trained[row : row + 1]
             rows.append(train_anchors(mask, self.loss_cfg.num_anchors, gen, self.loss_cfg.anchor_sampling))
-            if self.cfg.context_noise:
-                context[row] = noisy_context(context[row], self.num_aux, self.cfg.context_noise, gen)
         width = max(a.shape[1] for a, _ in rows)
         anchors = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -84,7 +76,6 @@ class DSparkTrainer(Trainer):
         labels, target_pos, slot_mask = slot_targets(batch["token_ids"], trained, anchors, valid, self.block_size)
         return {
             **batch,
-            "context": context,
             "anchors": anchors,
             "anchor_valid": valid,
             "labels": labels,

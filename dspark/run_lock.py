@@ -1,0 +1,64 @@
+"""One training process per run directory: an advisory lock on `run_dir/train.lock` held for the run's life.
+
+Two runs in one directory would overwrite each other's checkpoints (and `train.resume=restart` would
+delete a live run's). The lock is the kernel's (`flock`), so a killed run releases it with its process:
+the next run resumes without anything to clean up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+
+from dspark.errors import UserError
+
+LOCK_FILE = "train.lock"
+
+
+def try_lock(run_dir: Path):
+    """The open, locked `run_dir/train.lock` holding this process's pid and host; None when another process
+    holds it (its pid and host then stay in the file)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 -- held open for the run's life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+@contextmanager
+def holding_run_dir(run_dir: Path, accelerator: Accelerator) -> Iterator[None]:
+    """Hold `run_dir` for the block on the main process; on every rank a UserError when another run holds it."""
+    lock, refused = None, None
+    if accelerator.is_main_process:
+        lock = try_lock(run_dir)
+        if lock is None:
+            holder = (run_dir / LOCK_FILE).read_text().strip() or "a process"
+            refused = (
+                f"train.run_dir={run_dir} is in use by another training run ({holder}); wait for it to end or stop "
+                "it (a stopped run resumes from its last checkpoint), or give this run another train.run_name"
+            )
+    refused = broadcast_object_list([refused])[0]
+    if refused:
+        raise UserError(refused)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+__all__ = ["LOCK_FILE", "holding_run_dir", "try_lock"]
