@@ -1,12 +1,14 @@
 """One training process per run directory: an advisory lock on `run_dir/train.lock` held for the run's life.
 
 Two runs in one directory would overwrite each other's checkpoints (and `train.resume=restart` would
-delete a live run's). The lock is the kernel's (`flock`), so a killed run releases it with its process:
-the next run resumes without anything to clean up.
+delete a live run's). The lock is a POSIX record lock (`lockf`): the kernel's, owned by the process
+alone (not by the data-loader workers it forks, which may outlive it by a moment) and released when
+that process ends, killed or not; the next run resumes without anything to clean up.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -28,10 +30,12 @@ def try_lock(run_dir: Path):
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 -- held open for the run's life
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
         lock.close()
-        return None
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            return None
+        raise
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

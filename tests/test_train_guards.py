@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -394,22 +395,27 @@ def test_a_held_out_store_with_nothing_to_score_is_a_user_error(world, tmp_path)
 
 def test_a_run_dir_in_use_is_refused_untouched_and_freed_when_its_holder_is_killed(world, tmp_path):
     """A second run into a live run's train.run_dir (a relaunch, a second `make ablate`) is a UserError
-    naming the holder, before it writes anything; a holder killed with SIGKILL frees the dir at once."""
+    naming the holder, before it writes anything; a holder killed with SIGKILL frees the dir at once, though
+    a child it forked (as a data-loader worker is) still lives."""
     run_dir = tmp_path / "run"
-    code = "import sys, time; from pathlib import Path; from dspark.run_lock import try_lock; "
-    code += "lock = try_lock(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)"
+    code = "import os, sys, time; from pathlib import Path; from dspark.run_lock import try_lock; "
+    code += "lock = try_lock(Path(sys.argv[1])); child = os.fork(); child or time.sleep(600); "
+    code += "print(child, flush=True); time.sleep(600)"
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(holder.stdout.readline()))
     try:
-        assert holder.stdout.readline().strip() == "held"
         in_use = f"train.run_dir={run_dir} is in use by another training run (pid {holder.pid} on "
         with pytest.raises(UserError, match=re.escape(in_use)):
             run(config(world, run_dir, **{"train.resume": "restart"}))
         assert sorted(p.name for p in run_dir.iterdir()) == ["train.lock"]
-    finally:
         holder.kill()
         holder.wait()
-    run(config(world, run_dir))
-    assert latest_checkpoint(run_dir) is not None
+        assert child.is_running()
+        run(config(world, run_dir))
+        assert latest_checkpoint(run_dir) is not None
+    finally:
+        holder.kill()
+        child.kill()
 
 
 def write_poisoned_store(url: Path, verifier: Path, samples, poisoned: set[int]) -> None:
