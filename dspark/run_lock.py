@@ -15,6 +15,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -24,7 +25,7 @@ from dspark.errors import UserError
 LOCK_FILE = "train.lock"
 
 
-def try_lock(run_dir: Path):
+def try_lock(run_dir: Path) -> IO[str] | None:
     """The open, locked `run_dir/train.lock` holding this process's pid and host; None when another process
     holds it (its pid and host then stay in the file)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -48,13 +49,17 @@ def holding_run_dir(run_dir: Path, accelerator: Accelerator) -> Iterator[None]:
     """Hold `run_dir` for the block on the main process; on every rank a UserError when another run holds it."""
     lock, refused = None, None
     if accelerator.is_main_process:
-        lock = try_lock(run_dir)
-        if lock is None:
-            holder = (run_dir / LOCK_FILE).read_text().strip() or "a process"
-            refused = (
-                f"train.run_dir={run_dir} is in use by another training run ({holder}); wait for it to end or stop "
-                "it (a stopped run resumes from its last checkpoint), or give this run another train.run_name"
-            )
+        try:
+            lock = try_lock(run_dir)
+        except OSError as err:  # said on every rank, not only here: the others would wait on the broadcast
+            refused = f"train.run_dir={run_dir}: cannot create or lock {LOCK_FILE} there ({err})"
+        else:
+            if lock is None:
+                holder = (run_dir / LOCK_FILE).read_text().strip() or "a process"
+                refused = (
+                    f"train.run_dir={run_dir} is in use by another training run ({holder}); wait for it to end or "
+                    "stop it (a stopped run resumes from its last checkpoint), or give this run another train.run_name"
+                )
     refused = broadcast_object_list([refused])[0]
     if refused:
         raise UserError(refused)

@@ -418,6 +418,12 @@ def test_a_run_dir_in_use_is_refused_untouched_and_freed_when_its_holder_is_kill
         child.kill()
 
 
+def test_a_run_dir_that_cannot_be_created_is_a_user_error(world, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(UserError, match=r"train.run_dir=.*/file/run: cannot create or lock train.lock there"):
+        run(config(world, tmp_path / "file" / "run"))
+
+
 def write_poisoned_store(url: Path, verifier: Path, samples, poisoned: set[int]) -> None:
     """A store whose samples in `poisoned` hold nan target states (the verifier's final layer)."""
     target = store_target(verifier)
