@@ -16,17 +16,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from dspark.config import load_section
 from dspark.entry import stage_main
 from dspark.lifetime import die_with_parent
 from dspark.run_lock import holding_run_dir
-from dspark.train.build import build_trainer, check_devices, make_accelerator
-from dspark.train.config import TrainConfig
+from dspark.train.build import build_trainer, check_devices, load_sections, make_accelerator
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train as configured; returns the final held-out metrics."""
-    train_cfg = load_section(TrainConfig, cfg, "train")
+    train_cfg = load_sections(cfg).train  # every section checked before the run dir is touched
     check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: a killed launcher takes it along
         die_with_parent(signal.SIGKILL)

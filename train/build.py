@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -193,16 +194,36 @@ def served_verifier_name(name_or_path: str, target_dir: Path) -> str:
     return name_or_path
 
 
-def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrainer:
-    """Check every input, build the draft and return its trainer (resumed when asked)."""
-    cfg = load_section(TrainConfig, full_cfg, "train")
-    target_cfg = load_section(TargetConfig, full_cfg, "target")
-    draft_cfg = load_section(DraftConfig, full_cfg, "model")
-    loss_cfg = load_section(LossConfig, full_cfg, "loss")
-    heldout = load_section(HeldoutConfig, full_cfg, "heldout")
-    run_dir = Path(cfg.run_dir)
+class TrainSections(NamedTuple):
+    """The sections of a training config, each checked (`load_sections`)."""
+
+    train: TrainConfig
+    target: TargetConfig
+    model: DraftConfig
+    loss: LossConfig
+    heldout: HeldoutConfig
+
+
+def load_sections(full_cfg: DictConfig) -> TrainSections:
+    """Every section of a training config, checked; a UserError on the first bad value. Reads and writes
+    nothing, so a run refuses a bad config before it touches its run dir."""
+    sections = TrainSections(
+        train=load_section(TrainConfig, full_cfg, "train"),
+        target=load_section(TargetConfig, full_cfg, "target"),
+        model=load_section(DraftConfig, full_cfg, "model"),
+        loss=load_section(LossConfig, full_cfg, "loss"),
+        heldout=load_section(HeldoutConfig, full_cfg, "heldout"),
+    )
+    cfg = sections.train
     if cfg.eval_store is not None and cfg.eval_store == cfg.train_store:
         raise UserError(f"train.eval_store is train.train_store ({cfg.train_store}): evaluate on a held-out store")
+    return sections
+
+
+def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrainer:
+    """Check every input, build the draft and return its trainer (resumed when asked)."""
+    cfg, target_cfg, draft_cfg, loss_cfg, heldout = load_sections(full_cfg)
+    run_dir = Path(cfg.run_dir)
     resume_from = resume_point(cfg, run_dir, full_cfg)
     if cfg.resume == "restart":
         accelerator.wait_for_everyone()  # every rank has looked before rank 0 deletes
@@ -269,8 +290,10 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
 
 
 __all__ = [
+    "TrainSections",
     "build_trainer",
     "check_devices",
+    "load_sections",
     "make_accelerator",
     "open_store",
     "vocab_mapping",
