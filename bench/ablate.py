@@ -57,6 +57,7 @@ from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import check_variants, load_config
 from dspark.entry import script_main
 from dspark.errors import UserError
+from dspark.run_lock import in_use
 
 DEFAULT_CONFIG = Path(__file__).with_name("ablate.yaml")
 BLOCKS_FILE = "ablate.npz"
@@ -165,6 +166,9 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     training = read_json(run_dir / TRAINING_FILE)
     same_training = training is not None and training.get("train_key") == made["train_key"]
     if not (same_training and (run_dir / "drafter" / META_FILE).is_file()):
+        busy = in_use(run_dir)  # before its records change: another process may be training it now
+        if busy is not None:
+            raise UserError(busy)
         # the same training continues from its checkpoint; another one (or none recorded) starts over
         resume = "auto" if same_training and any(run_dir.glob("checkpoints/*")) else "restart"
         for name in (RECORD_FILE, BLOCKS_FILE):

@@ -44,6 +44,24 @@ def try_lock(run_dir: Path) -> IO[str] | None:
     return lock
 
 
+def _held_elsewhere(run_dir: Path) -> str:
+    holder = (run_dir / LOCK_FILE).read_text().strip() or "a process"
+    return (
+        f"train.run_dir={run_dir} is in use by another training run ({holder}); wait for it to end or "
+        "stop it (a stopped run resumes from its last checkpoint), or give this run another train.run_name"
+    )
+
+
+def in_use(run_dir: Path) -> str | None:
+    """Why another run may not start in `run_dir` now (a process holds its lock), or None when it is free.
+    Probed by taking and releasing the lock; creates `run_dir` and its lock file."""
+    lock = try_lock(run_dir)
+    if lock is None:
+        return _held_elsewhere(run_dir)
+    lock.close()
+    return None
+
+
 @contextmanager
 def holding_run_dir(run_dir: Path, accelerator: Accelerator) -> Iterator[None]:
     """Hold `run_dir` for the block on the main process; on every rank a UserError when another run holds it."""
@@ -55,11 +73,7 @@ def holding_run_dir(run_dir: Path, accelerator: Accelerator) -> Iterator[None]:
             refused = f"train.run_dir={run_dir}: cannot create or lock {LOCK_FILE} there ({err})"
         else:
             if lock is None:
-                holder = (run_dir / LOCK_FILE).read_text().strip() or "a process"
-                refused = (
-                    f"train.run_dir={run_dir} is in use by another training run ({holder}); wait for it to end or "
-                    "stop it (a stopped run resumes from its last checkpoint), or give this run another train.run_name"
-                )
+                refused = _held_elsewhere(run_dir)
     refused = broadcast_object_list([refused])[0]
     if refused:
         raise UserError(refused)
@@ -70,4 +84,4 @@ def holding_run_dir(run_dir: Path, accelerator: Accelerator) -> Iterator[None]:
             lock.close()
 
 
-__all__ = ["LOCK_FILE", "holding_run_dir", "try_lock"]
+__all__ = ["LOCK_FILE", "holding_run_dir", "in_use", "try_lock"]

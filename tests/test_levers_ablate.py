@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -389,6 +392,27 @@ def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_
     runs = copy_of(tiny_ablation, tmp_path)
     old = read_json(runs / "baseline" / "x1_s0" / "ablate.json")
     cfg, args = tiny_variant_file(tiny_world, runs, steps=3)
+    # while another process trains the run (holds its lock), the ablation stops before it touches it
+    run_dir = runs / "baseline" / "x1_s0"
+
+    def files():  # the run's records and its training log (the lock file names its holder)
+        paths = [*run_dir.iterdir(), run_dir.parent / "x1_s0.log"]
+        return {p.name: p.read_bytes() for p in paths if p.is_file() and p.name != "train.lock"}
+
+    before = files()
+    code = "import sys, time; from pathlib import Path; from dspark.run_lock import try_lock; "
+    code += "lock = try_lock(Path(sys.argv[1])); print(flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()
+        with pytest.raises(
+            UserError, match=re.escape(f"{run_dir} is in use by another training run (pid {holder.pid}")
+        ):
+            ablate.main([*args[:2], "only=baseline"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert files() == before and "ablate_training.json" in before
     assert ablate.main([*args[:2], "only=baseline"]) == 0
     new = read_json(runs / "baseline" / "x1_s0" / "ablate.json")
     assert new["steps"] == 3 and new["train_key"] != old["train_key"]
