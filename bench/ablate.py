@@ -344,6 +344,26 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
     return write_figures(out_dir, "ablations", result)
 
 
+def print_table(table: list[dict]) -> None:
+    """Each row's τ, gains, speed and wall time, and its per-source figures, one line each."""
+    for row in table:
+        none = {"mean": float("nan"), "se": float("nan")}
+        gain, against = row.get("gain", none), row.get("gain_against", none)
+        print(
+            f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
+            f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  "
+            f"vs {row.get('against', '-')} {against['mean']:+.4f} ± {against['se']:.4f}  "
+            f"{row['train_tokens_per_s']['mean']:.0f} tok/s  wall {row['wall_s']['mean']:.0f} s"
+        )
+        for source, part in row.get("by_source", {}).items():
+            gain, against = part.get("gain", none), part.get("gain_against", none)
+            print(
+                f"{source:>26}: tau {part['tau']['mean']:.4f} ± {part['tau']['se']:.4f}  "
+                f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  vs {row.get('against', '-')} "
+                f"{against['mean']:+.4f} ± {against['se']:.4f}  ({part['heldout_conversations']} conversations)"
+            )
+
+
 def main(argv: list[str]) -> int:
     args = {}
     for item in argv:
@@ -370,22 +390,7 @@ def main(argv: list[str]) -> int:
     result = run_ablation(
         cfg, Path(args.get("out", "bench/results")), args["only"].split(",") if "only" in args else None
     )
-    for row in result["table"]:
-        none = {"mean": float("nan"), "se": float("nan")}
-        gain, against = row.get("gain", none), row.get("gain_against", none)
-        print(
-            f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
-            f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  "
-            f"vs {row.get('against', '-')} {against['mean']:+.4f} ± {against['se']:.4f}  "
-            f"{row['train_tokens_per_s']['mean']:.0f} tok/s  wall {row['wall_s']['mean']:.0f} s"
-        )
-        for source, part in row.get("by_source", {}).items():
-            gain, against = part.get("gain", none), part.get("gain_against", none)
-            print(
-                f"{source:>26}: tau {part['tau']['mean']:.4f} ± {part['tau']['se']:.4f}  "
-                f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  vs {row.get('against', '-')} "
-                f"{against['mean']:+.4f} ± {against['se']:.4f}  ({part['heldout_conversations']} conversations)"
-            )
+    print_table(result["table"])
     return 0
 
 

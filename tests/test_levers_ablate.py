@@ -21,7 +21,7 @@ from train_stores import (
     write_token_freqs,
 )
 
-from bench import ablate
+from bench import ablate, ablate_merge
 from bench.ablate_record import REPO, digest, git_state, provenance, read_json, store_fingerprint
 from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
 from bench.ablate_variants import load_config
@@ -444,6 +444,57 @@ def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_
     elsewhere = provenance(ablate.compose(ablate.run_overrides(edited, "baseline", 1, 0, tmp_path / "x")))
     assert elsewhere["train_key"] == keys["lr"]["train_key"]
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
+
+
+def assert_same_figures(got, want, where="table"):
+    """Every figure of `got` equals `want`'s (floats to rounding), key for key."""
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            assert_same_figures(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert_same_figures(g, w, f"{where}[{k}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), where
+    else:
+        assert got == want, where
+
+
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
+def test_tables_of_one_seed_each_merge_into_the_table_of_both(tiny_world, tiny_ablation, tmp_path, monkeypatch):
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    runs = copy_of(tiny_ablation, tmp_path)
+    _, args = tiny_variant_file(tiny_world, runs, seeds=[1])
+    assert ablate.main(args) == 0  # seed 1 alone (trains it), then both seeds from the same runs at once
+    assert ablate.main([*args[:1], f"out={tmp_path / 'both'}", "seeds=0,1", *args[2:]]) == 0
+    seed_0, seed_1 = tiny_ablation.parent / "runs_out", tmp_path / "runs_out"
+    assert ablate_merge.main([f"out={tmp_path / 'merged'}", str(seed_0), str(seed_1 / "ablations.json")]) == 0
+    merged = read_json(tmp_path / "merged" / "ablations.json")
+    both = read_json(tmp_path / "both" / "ablations.json")
+    assert_same_figures(merged["table"], both["table"])
+    assert merged["config"]["seeds"] == [0, 1] and (tmp_path / "merged" / "ablations.png").stat().st_size > 0
+    key = lambda run: (run["variant"], run["seed"])  # noqa: E731
+    assert sorted(merged["runs"], key=key) == sorted(both["runs"], key=key)
+    assert merged["made"]["commit"] == git_state()["commit"]
+    assert [m["made"] for m in merged["merged_from"]] == [read_json(seed_0 / "ablations.json")["made"]] * 2
+    # refused, nothing written: a seed twice, a table of two seeds, another schedule, other data
+    tampered = read_json(seed_1 / "ablations.json")
+    tampered["config"]["steps"] = 3
+    (tmp_path / "steps.json").write_text(json.dumps(tampered))
+    tampered = read_json(seed_1 / "ablations.json")
+    tampered["runs"][0]["data"]["train_store"] = "another store"
+    (tmp_path / "data.json").write_text(json.dumps(tampered))
+    for other, why in [
+        (seed_0, "seed 0 is in two tables"),
+        (tmp_path / "both", "each table must hold one seed"),
+        (tmp_path / "steps.json", "another steps"),
+        (tmp_path / "data.json", "data fingerprints differ"),
+    ]:
+        with pytest.raises(UserError, match=why):
+            ablate_merge.main([f"out={tmp_path / 'refused'}", str(seed_0), str(other)])
+        assert not (tmp_path / "refused").exists()
 
 
 def test_make_ablate_trains_todays_defaults_from_the_recipe_alone(tmp_path):
