@@ -52,29 +52,29 @@ def _held_elsewhere(run_dir: Path) -> str:
     )
 
 
+def _lock_or_refusal(run_dir: Path) -> tuple[IO[str] | None, str | None]:
+    """The held lock, or None and why this process may not train in `run_dir` now."""
+    try:
+        lock = try_lock(run_dir)
+    except OSError as err:
+        return None, f"train.run_dir={run_dir}: cannot create or lock {LOCK_FILE} there ({err})"
+    return lock, None if lock is not None else _held_elsewhere(run_dir)
+
+
 def in_use(run_dir: Path) -> str | None:
-    """Why another run may not start in `run_dir` now (a process holds its lock), or None when it is free.
-    Probed by taking and releasing the lock; creates `run_dir` and its lock file."""
-    lock = try_lock(run_dir)
-    if lock is None:
-        return _held_elsewhere(run_dir)
-    lock.close()
-    return None
+    """Why a run may not start in `run_dir` now (another process holds its lock, or it cannot be locked), or None
+    when it is free. Probed by taking and releasing the lock; creates `run_dir` and its lock file."""
+    lock, refused = _lock_or_refusal(run_dir)
+    if lock is not None:
+        lock.close()
+    return refused
 
 
 @contextmanager
 def holding_run_dir(run_dir: Path, accelerator: Accelerator) -> Iterator[None]:
     """Hold `run_dir` for the block on the main process; on every rank a UserError when another run holds it."""
-    lock, refused = None, None
-    if accelerator.is_main_process:
-        try:
-            lock = try_lock(run_dir)
-        except OSError as err:  # said on every rank, not only here: the others would wait on the broadcast
-            refused = f"train.run_dir={run_dir}: cannot create or lock {LOCK_FILE} there ({err})"
-        else:
-            if lock is None:
-                refused = _held_elsewhere(run_dir)
-    refused = broadcast_object_list([refused])[0]
+    lock, refused = _lock_or_refusal(run_dir) if accelerator.is_main_process else (None, None)
+    refused = broadcast_object_list([refused])[0]  # said on every rank: the others would wait on the broadcast
     if refused:
         raise UserError(refused)
     try:

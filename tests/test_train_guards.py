@@ -40,6 +40,7 @@ from train_stores import (
 from dspark.config import HeldoutConfig, load_section, resume_kinds
 from dspark.errors import UserError
 from dspark.export import export_drafter
+from dspark.run_lock import in_use
 from dspark.store import Sample, ShardStore, StoreWriter, bf16_to_bits
 from dspark.targets import tokenizer_sha256
 from dspark.train.__main__ import run
@@ -422,6 +423,14 @@ def test_a_run_dir_that_cannot_be_created_is_a_user_error(world, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(UserError, match=r"train.run_dir=.*/file/run: cannot create or lock train.lock there"):
         run(config(world, tmp_path / "file" / "run"))
+    # the probe `make ablate` runs first says the same instead of raising
+    assert re.match(
+        r"train.run_dir=.*/file/run: cannot create or lock train.lock there", in_use(tmp_path / "file" / "run")
+    )
+    assert in_use(tmp_path / "free") is None
+    code = "import sys; from pathlib import Path; from dspark.run_lock import try_lock; "
+    code += "sys.exit(try_lock(Path(sys.argv[1])) is None)"
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path / "free")]).returncode == 0  # the probe let go
 
 
 def write_poisoned_store(url: Path, verifier: Path, samples, poisoned: set[int]) -> None:
