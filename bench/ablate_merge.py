@@ -95,12 +95,13 @@ def merge(paths: list[Path]) -> dict:
     check_same_ablation(tables, variants)
     runs = []
     for key in keys:
-        seeds = [run["seed"] for _, t in tables for run in t["runs"] if (run["variant"], run["budget"]) == key]
+        mine = [run for _, t in tables for run in t["runs"] if (run["variant"], run["budget"]) == key]
+        seeds = [run["seed"] for run in mine]
         if len(seeds) != len(tables):
             raise UserError(f"{key[0]} x{key[1]}: each table must hold one seed of it (seeds {seeds})")
         if len(set(seeds)) < len(seeds):
             raise UserError(f"{key[0]} x{key[1]}: seed {max(seeds, key=seeds.count)} is in two tables")
-        runs += [run for _, t in tables for run in t["runs"] if (run["variant"], run["budget"]) == key]
+        runs += mine
     table = [merge_figure("row", [r[key] for r in rows], f"{key[0]} x{key[1]}") for key in keys]
     first = tables[0][1]
     config = {**first["config"], "seeds": sorted({run["seed"] for run in runs})}
