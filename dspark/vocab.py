@@ -2,8 +2,9 @@
 
 Draft id i stands for verifier id `i + d2t[i]` (d2t holds int64 offsets, the layout
 speculators and vLLM read); `t2d[v]` tells whether verifier id v has a draft id. Draft ids
-are the `draft_vocab_size` most frequent loss-masked training tokens (ties → smaller id),
-sorted ascending, so the mapping is a deterministic function of the counts.
+are the `draft_vocab_size` ids of the highest counts (ties → smaller id), sorted ascending, so
+the mapping is a deterministic function of the counts: the loss-masked training tokens' counts,
+or the verifier's expected counts over them (`dspark.train.vocab_counts`).
 
 A mapping file is one safetensors file (`d2t`, `t2d`, plus JSON metadata), written next to
 the tokenized data it was counted from. A training continuation must reuse the same
@@ -64,8 +65,11 @@ def count_tokens(token_ids: Iterable, loss_masks: Iterable, vocab_size: int) -> 
 
 
 def build_mapping(counts: np.ndarray | Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
-    """`(d2t int64 [Vd], t2d bool [V])` from token counts `[V]`: the top-Vd ids, ties → smaller id."""
-    counts = np.asarray(counts, dtype=np.int64)
+    """`(d2t int64 [Vd], t2d bool [V])` from token counts `[V]` (integer counts or expected counts): the
+    top-Vd ids, ties → smaller id."""
+    counts = np.asarray(counts)
+    if not np.issubdtype(counts.dtype, np.number) or not np.isfinite(counts).all():
+        raise ValueError("counts must be finite numbers")
     if counts.ndim != 1:
         raise ValueError(f"counts must be 1-D [vocab_size], got shape {counts.shape}")
     vocab_size = counts.shape[0]

@@ -67,6 +67,7 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "train.init_fc_from_last_aux=maybe", "train", "train.init_fc_from_last_aux must be true, false"),
         ("train", "train.init_norm_from_verifier=yes", "train", "train.init_norm_from_verifier must be true, false"),
         ("train", "train.compile=always", "train", "train.compile must be true, false or auto"),
+        ("train", "train.draft_vocab_from=sampled", "train", "train.draft_vocab_from must be one of"),
         ("train", "train.lr_scales={markov_embed_proj: -0.5}", "train", "train.lr_scales must map parameter-name"),
         ("train", "loss.hidden_weight=-1", "loss", "loss.hidden_weight must be >= 0"),
         ("train", "loss.hidden_slots=0", "loss", "loss.hidden_slots must be null or >= 1"),

@@ -56,7 +56,7 @@ from dspark.train.checkpoint import trainable_state
 from dspark.train.config import TrainConfig
 from dspark.train.data import StoreSplit, windows_of
 from dspark.train.sampler import StepPlanner, share_of_rank
-from dspark.vocab import build_mapping, save_mapping
+from dspark.vocab import build_mapping, load_mapping, save_mapping
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -499,16 +499,15 @@ def test_refuses_missing_vocab_inputs(world, tmp_path):
         "does not exist",
         **{"train.vocab_mapping": str(tmp_path / "missing.safetensors")},
     )
-    expect_refusal(
-        world, tmp_path, FileNotFoundError, "train.token_freqs", **{"train.token_freqs": str(tmp_path / "missing.npy")}
-    )
+    missing = {"train.token_freqs": str(tmp_path / "missing.npy"), "train.draft_vocab_from": "tokens"}
+    expect_refusal(world, tmp_path, FileNotFoundError, "train.token_freqs", **missing)
 
 
 def test_refuses_a_different_vocab_mapping(world, tmp_path):
     counts = np.zeros(VOCAB, dtype=np.int64)
     counts[:128] = 1  # the first 128 ids: not this data's tokens
     other = save_mapping(tmp_path / "other.safetensors", *build_mapping(counts, 128))
-    # The run's own mapping (built from token_freqs on the first start) must be reused.
+    # The run's own mapping (ranked on the first start) must be reused.
     run_dir = tmp_path / "run"
     first = {"train.max_steps": 1, "train.eval_store": "null", "train.export": "false", "train.data_workers": 0}
     run(compose_cfg(overrides(world, run_dir, **first)))
@@ -525,6 +524,30 @@ def test_refuses_a_different_vocab_mapping(world, tmp_path):
             )
         )
     assert not (tmp_path / "warm" / "checkpoints").exists()
+
+
+def test_a_run_ranks_its_reduced_vocabulary_by_the_verifier_or_by_the_tokens(world, tmp_path):
+    from accelerate import Accelerator
+
+    from dspark.train.vocab_counts import verifier_counts
+    from dspark.verifier import VerifierHead
+
+    first = {"train.max_steps": 1, "train.eval_store": "null", "train.export": "false", "train.data_workers": 0}
+    expected = {
+        "verifier": verifier_counts(
+            ShardStore.open(world.train_store), VerifierHead.from_pretrained(world.verifier), Accelerator(cpu=True)
+        ),
+        "tokens": np.load(world.token_freqs),
+    }
+    made = {}
+    for ranking, counts in expected.items():
+        run_dir = tmp_path / ranking
+        run(compose_cfg(overrides(world, run_dir, **first, **{"train.draft_vocab_from": ranking})))
+        made[ranking] = load_mapping(run_dir / "vocab_map_128.safetensors")
+        assert made[ranking][2]["ranked_by"] == ranking
+        want = build_mapping(counts, 128)
+        assert torch.equal(made[ranking][0], want[0]) and torch.equal(made[ranking][1], want[1])
+    assert not torch.equal(made["verifier"][1], made["tokens"][1])
 
 
 def test_refuses_more_processes_than_gpus():

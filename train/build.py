@@ -36,6 +36,7 @@ from dspark.train.config import TrainConfig
 from dspark.train.data import StoreSplit
 from dspark.train.dspark_trainer import DSparkTrainer
 from dspark.train.resume import clear_run, identity_changes, resume_point
+from dspark.train.vocab_counts import verifier_counts
 from dspark.verifier import VerifierHead
 from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
 
@@ -98,10 +99,19 @@ def open_heldout(url: str, target: Target, heldout: HeldoutConfig) -> tuple[Shar
     return store, refs
 
 
-def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir: Path) -> Path | None:
-    """The run's mapping file (reused, copied from `train.vocab_mapping`, or built from token_freqs).
+def new_mapping_needed(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir: Path) -> bool:
+    """Whether `vocab_mapping` will rank a new draft vocabulary (a reduced one, no run's own or given file)."""
+    reduced = draft.draft_vocab_size is not None and draft.draft_vocab_size != vocab_size
+    return reduced and cfg.vocab_mapping is None and not mapping_path(run_dir, draft.draft_vocab_size).exists()
 
-    None when the draft uses the full verifier vocabulary.
+
+def vocab_mapping(
+    cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir: Path, counts: np.ndarray | None = None
+) -> Path | None:
+    """The run's mapping file (reused, copied from `train.vocab_mapping`, or built by ranking token counts).
+
+    A new one ranks `counts` (the verifier's expected counts: `train.draft_vocab_from: verifier`) or
+    token_freqs (`tokens`). None when the draft uses the full verifier vocabulary.
     """
     if draft.draft_vocab_size is None or draft.draft_vocab_size == vocab_size:
         if cfg.vocab_mapping is not None:
@@ -119,6 +129,13 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
         return own
     if given is not None:
         return save_mapping(own, given[0], given[1], {**given[2], "copied_from": cfg.vocab_mapping})
+    if cfg.draft_vocab_from == "verifier":
+        if counts is None or counts.shape != (vocab_size,):
+            raise ValueError(f"draft_vocab_from=verifier needs the verifier's counts [{vocab_size}]")
+        d2t, t2d = build_mapping(counts, size)
+        return save_mapping(
+            own, d2t, t2d, {"ranked_by": "verifier", "train_store": cfg.train_store, "draft_vocab_size": size}
+        )
     freqs_path = Path(cfg.token_freqs)
     if not freqs_path.is_file():
         raise MissingInput(
@@ -131,7 +148,9 @@ def vocab_mapping(cfg: TrainConfig, draft: DraftConfig, vocab_size: int, run_dir
             f"train.token_freqs: {freqs_path} has shape {counts.shape}, the verifier vocabulary is {vocab_size}"
         )
     d2t, t2d = build_mapping(counts, size)
-    return save_mapping(own, d2t, t2d, {"token_freqs": str(freqs_path), "draft_vocab_size": size})
+    return save_mapping(
+        own, d2t, t2d, {"ranked_by": "tokens", "token_freqs": str(freqs_path), "draft_vocab_size": size}
+    )
 
 
 def draft_identity(model: DSparkDraft, verifier_name_or_path: str) -> dict:
@@ -240,9 +259,14 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     eval_store, eval_refs = open_heldout(cfg.eval_store, target, heldout) if cfg.eval_store is not None else (None, [])
 
     vocab_size = target.vocab_size
+    # On the device first: the draft then shares the verifier's embedding instead of copying it.
+    verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
+    counts = None
+    if cfg.draft_vocab_from == "verifier" and new_mapping_needed(cfg, draft_cfg, vocab_size, run_dir):
+        counts = verifier_counts(open_store(cfg.train_store, "train_store", target), verifier, accelerator)
     # Rank 0 writes the run's mapping; the others read what it wrote.
     with accelerator.main_process_first():
-        mapping_file = vocab_mapping(cfg, draft_cfg, vocab_size, run_dir)
+        mapping_file = vocab_mapping(cfg, draft_cfg, vocab_size, run_dir, counts)
     d2t = None
     if mapping_file is not None:
         mapping = load_mapping(mapping_file)
@@ -255,8 +279,6 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     model = DSparkDraft(draft_cfg, target.text_config, target.aux_layer_ids, target.mask_token_id, d2t=d2t).to(
         accelerator.device
     )
-    # On the device first: the draft then shares the verifier's embedding instead of copying it.
-    verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
     model.load_verifier(verifier)
     layers, fc = cfg.init_layers_from_verifier, cfg.init_fc_from_last_aux
     if layers == "auto":

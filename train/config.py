@@ -9,6 +9,7 @@ from dspark.config import Checked, resume_field
 
 RESUME_MODES = ("auto", "never", "must", "restart")
 MIXED_PRECISION = ("auto", "bf16", "no")
+VOCAB_RANKINGS = ("verifier", "tokens")
 
 
 @dataclass
@@ -30,6 +31,9 @@ class TrainConfig(Checked):
     """token_freqs.npy of the data stage (loss-masked train token counts) used to build the draft vocabulary."""
     vocab_mapping: str | None = resume_field("free")
     """An existing vocab mapping to reuse (e.g. from an earlier run); null = the run's own or a new one."""
+    draft_vocab_from: str = resume_field("fixed")
+    """How a new reduced draft vocabulary is ranked: `verifier` (its next-token distributions summed over the
+    training store's trained tokens) or `tokens` (`token_freqs`, the tokens it sampled)."""
     init_from: str | None = resume_field("fixed")
     """Warm start: an exported drafter dir or a checkpoint dir; weights only, the schedule starts fresh."""
     init_layers_from_verifier: Any = resume_field("fixed")
@@ -119,6 +123,7 @@ class TrainConfig(Checked):
         self.positive("grad_clip", nullable=True)
         self.one_of("resume", RESUME_MODES)
         self.one_of("mixed_precision", MIXED_PRECISION)
+        self.one_of("draft_vocab_from", VOCAB_RANKINGS)
         if not 0 <= self.warmup_ratio < 1:
             self.refuse("warmup_ratio", "must be in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -135,4 +140,4 @@ class TrainConfig(Checked):
                 self.refuse(key, "must be true, false or auto")
 
 
-__all__ = ["MIXED_PRECISION", "RESUME_MODES", "TrainConfig"]
+__all__ = ["MIXED_PRECISION", "RESUME_MODES", "VOCAB_RANKINGS", "TrainConfig"]
