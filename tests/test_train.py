@@ -77,6 +77,7 @@ DDP_TRAIN = {
     "train.keep_last": 2,
     "loss.train_on_prompt": "false",  # keep the plan's awkward steps: a sample with nothing to train
     "heldout.anchors_per_sample": 16,  # a draw: every held-out sample has more candidates
+    "train.draft_vocab_from": "verifier",  # its counts are summed over ranks: the weights must match all the same
 }
 
 

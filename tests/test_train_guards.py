@@ -216,7 +216,7 @@ ALTERNATIVES = {
     "eval_store": "<the eval store>",
     "token_freqs": "<copy of token_freqs>",
     "vocab_mapping": "<the run's own mapping>",
-    "draft_vocab_from": "tokens",
+    "draft_vocab_from": "verifier",
     "init_from": "<its first checkpoint>",
     "init_layers_from_verifier": "null",
     "init_fc_from_last_aux": "false",
