@@ -371,6 +371,31 @@ def test_a_rank_stuck_on_a_hung_peer_fails_after_the_collective_timeout(world, t
         proc.communicate()
 
 
+def test_collective_failures_are_told_apart_from_other_errors():
+    """gloo's timeout in DDP's buffer sync says neither "gloo" nor DistError: the frame it was raised in
+    tells; an error of the model's own code called through DDP's forward stays what it is."""
+    from dspark.train.__main__ import from_a_collective
+
+    def raised(source: str, filename: str, **env) -> RuntimeError:
+        try:
+            exec(compile(source, filename, "exec"), dict(env))
+        except RuntimeError as err:
+            return err
+        raise AssertionError("nothing raised")
+
+    timeout = "raise RuntimeError('Application timeout caused pair closure')"
+    assert from_a_collective(raised(timeout, "/venv/torch/nn/parallel/distributed.py"))
+    assert from_a_collective(raised(timeout, "/venv/torch/distributed/distributed_c10d.py"))
+    assert from_a_collective(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed"))
+    assert not from_a_collective(raised(timeout, "/work/dspark/model.py"))
+
+    def model_forward():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    through_ddp = raised("forward()", "/venv/torch/nn/parallel/distributed.py", forward=model_forward)
+    assert not from_a_collective(through_ddp)
+
+
 def test_checkpoints_logs_and_export_of_a_run(world, two_rank_run):
     ckpts = two_rank_run / "checkpoints"
     steps = sorted(int(p.name.split("_")[1]) for p in ckpts.glob("step_*"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import traceback
 from pathlib import Path
 
 import torch
@@ -20,6 +21,19 @@ from dspark.entry import stage_main
 from dspark.lifetime import die_with_parent
 from dspark.run_lock import holding_run_dir
 from dspark.train.build import build_trainer, check_devices, load_sections, make_accelerator
+
+DDP_FILE = os.path.join("torch", "nn", "parallel", "distributed.py")
+
+
+def from_a_collective(err: RuntimeError) -> bool:
+    """Whether `err` is a collective's failure: NCCL raises DistError subclasses; gloo a RuntimeError that
+    names its source file, or one that does not ("Application timeout caused pair closure") raised by the
+    collective call itself, the innermost frame (DDP's buffer sync, a torch.distributed op)."""
+    if isinstance(err, torch.distributed.DistError) or "gloo" in str(err):
+        return True
+    frames = traceback.extract_tb(err.__traceback__)
+    raised_in = frames[-1].filename if frames else ""
+    return f"{os.sep}torch{os.sep}distributed{os.sep}" in raised_in or raised_in.endswith(DDP_FILE)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -33,8 +47,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         with holding_run_dir(Path(train_cfg.run_dir), accelerator):
             return build_trainer(cfg, accelerator).fit()
     except RuntimeError as err:
-        # NCCL raises DistError subclasses; gloo a RuntimeError naming its source file.
-        if not isinstance(err, torch.distributed.DistError) and "gloo" not in str(err):
+        if not from_a_collective(err):
             raise
         raise RuntimeError(
             f"rank {accelerator.process_index}: a collective with the other ranks failed or waited longer than "
