@@ -41,10 +41,11 @@ from bench.ablate import compose, run_overrides
 from bench.ablate_variants import load_config
 from bench.bench_train_step import KEEP_FREED
 from dspark.errors import MissingInput
-from dspark.store import Sample, StoreWriter
+from dspark.store import Sample, StoreWriter, bf16_to_bits
 from dspark.targets import resolve_target
 from dspark.train.build import build_trainer, load_sections, make_accelerator
 from dspark.train.sampler import share_of_rank
+from dspark.vocab import count_tokens
 
 VARIANT_FILE = Path(__file__).with_name("ablate_levers.yaml")
 BENCHMARKS = ("smollm2-135m", "qwen2.5-coder-0.5b")
@@ -58,7 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def benchmark_samples(name: str, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The first `n` training conversations of lever benchmark `name`: (token ids, loss mask)."""
-    files = lever_data.checked_files(lever_data.bench_dir(name), lever_data.load_manifest(lever_data.bench_dir(name)))
+    folder = lever_data.bench_dir(name)
+    files = lever_data.checked_files(folder, lever_data.load_manifest(folder))
     rows = gzip.decompress(files["train.jsonl.gz"]).decode().splitlines()[:n]
     return [
         (np.asarray(row["input_ids"], np.int32), np.asarray(row["loss_mask"], np.uint8))
@@ -72,8 +74,8 @@ def synthetic_store(url: Path, target, samples: list[tuple[np.ndarray, np.ndarra
     gen = torch.Generator().manual_seed(0)
     rows = []
     for i, (ids, mask) in enumerate(samples):
-        states = torch.randn(len(ids), len(target.layer_ids), target.hidden_size, generator=gen).bfloat16()
-        rows.append(Sample(i, ids, mask, states.view(torch.int16).numpy().view(np.uint16)))
+        states = torch.randn(len(ids), len(target.layer_ids), target.hidden_size, generator=gen)
+        rows.append(Sample(i, ids, mask, bf16_to_bits(states)))
     writer.write_shard(rows)
 
 
@@ -108,7 +110,7 @@ def settings(name: str, work: Path) -> tuple[dict, list[str]]:
         target = resolve_target(load_sections(compose(cfg["common"])).target)
         samples = benchmark_samples(name, SAMPLES)
         synthetic_store(store, target, samples)
-        np.save(freqs, np.bincount(np.concatenate([i[m > 0] for i, m in samples]), minlength=target.vocab_size))
+        np.save(freqs, count_tokens([ids for ids, _ in samples], [mask for _, mask in samples], target.vocab_size))
     data = [
         f"train.train_store={store}",
         "train.eval_store=null",
