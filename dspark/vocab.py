@@ -70,6 +70,7 @@ def build_mapping(counts: np.ndarray | Tensor, draft_vocab_size: int) -> tuple[T
     counts = np.asarray(counts)
     if not np.issubdtype(counts.dtype, np.number) or not np.isfinite(counts).all():
         raise ValueError("counts must be finite numbers")
+    counts = counts.astype(np.float64)  # signed and exact for any count under 2**53: -counts cannot wrap
     if counts.ndim != 1:
         raise ValueError(f"counts must be 1-D [vocab_size], got shape {counts.shape}")
     vocab_size = counts.shape[0]

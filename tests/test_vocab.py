@@ -56,6 +56,11 @@ def test_build_mapping_hand_example_with_ties():
     assert (torch.arange(7) + d2t).tolist() == [0, 1, 2, 3, 4, 6, 7]
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         build_mapping(counts, 9)
+    # The same ranking whatever the counts' dtype: unsigned (no wrap-around), float (expected counts).
+    for dtype in (np.uint32, np.uint64, np.float32):
+        assert torch.equal(build_mapping(counts.astype(dtype), 4)[1], build_mapping(counts, 4)[1]), dtype
+    with pytest.raises(ValueError, match="finite numbers"):
+        build_mapping(np.array([1.0, np.nan, 2.0]), 2)
 
 
 def test_build_mapping_matches_speculators():
