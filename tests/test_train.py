@@ -575,6 +575,17 @@ def test_a_run_ranks_its_reduced_vocabulary_by_the_verifier_or_by_the_tokens(wor
         assert torch.equal(made[ranking][0], want[0]) and torch.equal(made[ranking][1], want[1])
     assert not torch.equal(made["verifier"][1], made["tokens"][1])
 
+    # A fresh start in the verifier-ranked run's dir (its checkpoints gone, its mapping left) under the other
+    # ranking is refused by name; a restart deletes that mapping and ranks a new one by this config.
+    run_dir = tmp_path / "verifier"
+    shutil.rmtree(run_dir / "checkpoints")
+    other = {**first, "train.draft_vocab_from": "tokens"}
+    with pytest.raises(UserError, match="ranked by verifier, train.draft_vocab_from is tokens"):
+        run(compose_cfg(overrides(world, run_dir, **other)))
+    run(compose_cfg(overrides(world, run_dir, **other, **{"train.resume": "restart"})))
+    again = load_mapping(run_dir / "vocab_map_128.safetensors")
+    assert again[2]["ranked_by"] == "tokens" and torch.equal(again[1], made["tokens"][1])
+
 
 def test_refuses_more_processes_than_gpus():
     with pytest.raises(UserError, match="GPUS=3 .* 2 CUDA device"):

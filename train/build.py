@@ -38,7 +38,7 @@ from dspark.train.dspark_trainer import DSparkTrainer
 from dspark.train.resume import clear_run, identity_changes, resume_point
 from dspark.train.vocab_counts import verifier_counts
 from dspark.verifier import VerifierHead
-from dspark.vocab import build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
+from dspark.vocab import MAPPING_GLOB, build_mapping, check_same_mapping, load_mapping, mapping_path, save_mapping
 
 
 def check_devices(processes_per_node: int, cuda_devices: int) -> None:
@@ -126,6 +126,12 @@ def vocab_mapping(
         current = load_mapping(own, target_vocab_size=vocab_size, draft_vocab_size=size)
         if given is not None:
             check_same_mapping(current, given, names=(str(own), cfg.vocab_mapping))
+        ranked_by = current[2].get("ranked_by")
+        if given is None and "copied_from" not in current[2] and ranked_by not in (None, cfg.draft_vocab_from):
+            raise UserError(
+                f"{own} (an earlier run's draft vocabulary) was ranked by {ranked_by}, train.draft_vocab_from is "
+                f"{cfg.draft_vocab_from}: set train.resume=restart to start over with a new one, or another train.run_name"
+            )
         return own
     if given is not None:
         return save_mapping(own, given[0], given[1], {**given[2], "copied_from": cfg.vocab_mapping})
@@ -197,7 +203,7 @@ def warm_start(model: DSparkDraft, path: str, full_cfg: DictConfig, verifier_nam
     ckpt = resolve_checkpoint(source)
     refuse_other_identity(path, identity_changes(full_cfg, OmegaConf.load(ckpt / CONFIG_FILE)), ckpt / CONFIG_FILE)
     if model.d2t is not None:
-        files = sorted(ckpt.glob("vocab_map_*.safetensors"))
+        files = sorted(ckpt.glob(MAPPING_GLOB))
         if not files:
             raise UserError(
                 f"train.init_from={path}: checkpoint has no vocab mapping but this run uses a reduced vocabulary"

@@ -23,6 +23,7 @@ from dspark.errors import UserError
 from dspark.train.checkpoint import CONFIG_FILE, checkpoints_root, latest_checkpoint, step_dirs
 from dspark.train.config import TrainConfig
 from dspark.train.reporting import METRICS_FILE
+from dspark.vocab import MAPPING_GLOB
 
 # The sections a checkpoint's config.yaml is compared on; what a resume may do with each key
 # comes from the schema (`dspark.config.resume_kinds`).
@@ -137,10 +138,13 @@ def resume_point(cfg: TrainConfig, run_dir: Path, full_cfg: DictConfig) -> Path 
 
 
 def clear_run(run_dir: Path) -> None:
-    """`train.resume=restart`: delete what an earlier run left (checkpoints, metrics, events, drafter)."""
+    """`train.resume=restart`: delete what an earlier run left (checkpoints, metrics, events, drafter, and
+    its draft-vocabulary mapping: a fresh start ranks its own, by this config)."""
     for name in RUN_OUTPUTS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    for mapping in run_dir.glob(MAPPING_GLOB):
+        mapping.unlink(missing_ok=True)
 
 
 __all__ = [
