@@ -46,7 +46,7 @@ class TrainConfig(Checked):
     resume: str = resume_field("free")
     """`auto`: continue from the newest complete checkpoint, else start fresh in an empty run_dir;
     `never`: refuse a run_dir with checkpoints; `must`: refuse one without; `restart`: delete
-    the run_dir's checkpoints, metrics and drafter and start from step 0."""
+    the run_dir's checkpoints, metrics, drafter and vocabulary mapping and start from step 0."""
     allow_resume_changes: bool = resume_field("free")
     """Resume even though `loss.*`, schedule or held-out keys (lr, warmup, max_steps, eval_store, ...) differ
     from the checkpoint's; the resumed run then follows the new values (docs/resume.md)."""
