@@ -30,7 +30,6 @@ from dspark.errors import UserError
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 ATTN_IMPLS = ("sdpa", "flex")
 ANCHOR_SAMPLING = ("uniform", "all")
-TV_SLOT_WEIGHTS = ("position", "acceptance")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_KINDS = ("fixed", "changes", "free")
 
@@ -179,10 +178,6 @@ class LossConfig(Checked):
     """Weight of the confidence-head BCE."""
     gamma: float
     """Position weights w_k = exp(-k/gamma)."""
-    tv_slot_weights: str
-    """The tv term's slot weights: `position` (w_k, as every other term) or `acceptance`: slot k of a block
-    weighted by ∂τ/∂α_k = Π_{j<k} α_j · (1 + α_{k+1} + α_{k+1}α_{k+2} + …) of the draft's own (detached)
-    acceptance on that block, so the term's gradient is −∇τ. The reported tv stays position-weighted."""
     num_anchors: int
     """Anchors sampled per sequence (uniformly, without replacement, every step)."""
     chunk_size: int = resume_field("free")
@@ -212,7 +207,6 @@ class LossConfig(Checked):
         self.weights = {t: float(w) for t, w in self.weights.items() if w > 0}
         self.at_least(0, "confidence_weight")
         self.positive("gamma")
-        self.one_of("tv_slot_weights", TV_SLOT_WEIGHTS)
         self.at_least(1, "num_anchors", "chunk_size")
         self.one_of("anchor_sampling", ANCHOR_SAMPLING)
         self.at_least(0, "hidden_weight")

@@ -253,15 +253,7 @@ class _Chunk:
         self.slot_bytes = logits.shape[-1] * logits.element_size()
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         objective, sums, alpha, out_of_vocab = VocabTerms.apply(
-            logits,
-            target_logits,
-            inputs.labels,
-            wm,
-            self.term_weights,
-            draft_ids,
-            need_grad,
-            self.workspace,
-            self.cfg.tv_slot_weights == "acceptance",
+            logits, target_logits, inputs.labels, wm, self.term_weights, draft_ids, need_grad, self.workspace
         )
         return VocabPass(wm, objective, sums, alpha, confidence_logit, out_of_vocab)
 

@@ -47,16 +47,6 @@ def term_weights(weights: Mapping[str, float]) -> tuple[float, ...]:
     return tuple(float(weights.get(t, 0.0)) for t in VOCAB_TERMS)
 
 
-def tau_gradient(alpha: Tensor) -> Tensor:
-    """∂τ/∂α_k of each block's τ = 1 + Σ_k Π_{j≤k} α_j, from its slots' acceptance alpha `[n, B]` (0 on
-    slots that are not scored, which ends the block there): Π_{j<k} α_j · (1 + α_{k+1} + α_{k+1}α_{k+2} + …)."""
-    before = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), alpha[:, :-1]], 1), 1)  # Π_{j<k} α_j
-    after = torch.ones_like(alpha)  # 1 + α_{k+1}·after_{k+1}, from the last slot back
-    for k in range(alpha.shape[1] - 2, -1, -1):
-        after[:, k] = 1.0 + alpha[:, k + 1] * after[:, k + 1]
-    return before * after
-
-
 def draft_index(target: Tensor, draft_ids: Tensor | None, draft_vocab: int) -> tuple[Tensor, Tensor]:
     """Draft index of each verifier token id `[r]`, and whether it is in the draft vocabulary."""
     if draft_ids is None:
@@ -102,19 +92,15 @@ class VocabTerms(torch.autograd.Function):
     forward(logits [c, B, Vd], target_logits [c, B, V] (consumed: overwritten), labels [c, B],
     slot_weight [c, B] (w_k on scored slots, 0 elsewhere), term_weights (`term_weights`),
     draft_ids [Vd] ascending verifier ids or None, need_grad, workspace (reused
-    buffers, see dspark.workspace) or None, tv_by_tau: weigh the tv term of each scored slot by
-    `tau_gradient` of its block's (detached) acceptance instead of w_k) ->
-    objective (Σ_t term_weights[t]·sums[t], scalar; with tv_by_tau the tv part is Σ ∂τ/∂α·tv),
-    sums [3] (ce, tv, kl, each Σ w·term),
+    buffers, see dspark.workspace) or None) ->
+    objective (Σ_t term_weights[t]·sums[t], scalar), sums [3] (ce, tv, kl, each Σ w·term),
     alpha [c, B], out_of_vocab (scored slots whose CE label is not a draft id).
     """
 
     @staticmethod
-    def forward(
-        ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, need_grad, workspace, tv_by_tau=False
-    ):
+    def forward(ctx, logits, target_logits, labels, slot_weight, term_weights, draft_ids, need_grad, workspace):
         w_ce, w_tv, w_kl = term_weights
-        block, vd, v = logits.shape[-2], logits.shape[-1], target_logits.shape[-1]
+        vd, v = logits.shape[-1], target_logits.shape[-1]
         z = wide(logits).reshape(-1, vd)
         t = wide(target_logits).reshape(-1, v)
         weight = slot_weight.reshape(-1).to(z.dtype)
@@ -125,12 +111,9 @@ class VocabTerms(torch.autograd.Function):
             reuse = draft_ids is None and t.dtype == logits.dtype and t.is_contiguous()
             grad = t if reuse else scratch(workspace, "vocab_grad", (rows, vd), logits)
         sums = torch.zeros(3, dtype=z.dtype, device=z.device)
-        tv_objective = torch.zeros((), dtype=z.dtype, device=z.device)
         alpha = torch.empty(rows, dtype=z.dtype, device=z.device)
         out_of_vocab = torch.zeros((), dtype=torch.long, device=z.device)
         tile = tile_rows(rows, v, z.device)
-        if tv_by_tau:  # whole blocks per tile: a slot's weight reads every slot of its block
-            tile = max(block, tile // block * block)
         work = _Tiles(min(tile, rows), vd, z, workspace)
         for start in range(0, rows, tile):
             r = slice(start, start + tile)
@@ -149,13 +132,8 @@ class VocabTerms(torch.autograd.Function):
             a = torch.minimum(q, p, out=work.tmp[:n]).sum(-1)
             alpha[r] = a
             ce_w = w * in_vocab
-            tv_w = w
-            if tv_by_tau:
-                scored = (w > 0).to(a.dtype)
-                tv_w = scored * tau_gradient((a * scored).view(-1, block)).view(-1)
             sums[0] += (ce_w * nll).sum()
             sums[1] += (w * (1.0 - a)).sum()
-            tv_objective += (tv_w * (1.0 - a)).sum()
             out_of_vocab += ((w > 0) & ~in_vocab).sum()
             mass = p.sum(-1) if w_kl else None
             if diff is not None:
@@ -165,7 +143,7 @@ class VocabTerms(torch.autograd.Function):
                 continue
             q_lower = torch.mul(q, lower, out=work.tmp[:n])  # s_j·q_j
             big_s = q_lower.sum(-1)
-            A, T, K = w_ce * ce_w, w_tv * tv_w, w_kl * w
+            A, T, K = w_ce * ce_w, w_tv * w, w_kl * w
             coef = A + T * big_s + (K * mass if w_kl else 0.0)
             # ∂/∂z = q·coef − T·s·q − K·p (− A at y, below)
             g = grad[r]  # may share storage with p (full vocabulary): p is read before g is written
@@ -178,7 +156,7 @@ class VocabTerms(torch.autograd.Function):
             if out is not g:
                 g.copy_(out)
             g.scatter_add_(-1, idx[:, None], -A[:, None].to(g.dtype))
-        objective = w_ce * sums[0] + w_tv * tv_objective + w_kl * sums[2]
+        objective = w_ce * sums[0] + w_tv * sums[1] + w_kl * sums[2]
         if grad is not None:
             ctx.save_for_backward(grad.view(logits.shape))
         ctx.mark_non_differentiable(sums, alpha, out_of_vocab)
@@ -190,7 +168,7 @@ class VocabTerms(torch.autograd.Function):
             raise RuntimeError("dspark_loss: backward runs once per graph (its kept gradient is scaled in place)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None, None
+        return grad.mul_(grad_objective.to(grad.dtype)), None, None, None, None, None, None, None
 
 
-__all__ = ["TILE_ELEMENTS", "VOCAB_TERMS", "VocabTerms", "draft_index", "tau_gradient", "term_weights", "wide"]
+__all__ = ["TILE_ELEMENTS", "VOCAB_TERMS", "VocabTerms", "draft_index", "term_weights", "wide"]

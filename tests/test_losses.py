@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark import vocab_terms
 from dspark.config import LossConfig
 from dspark.losses import LossInputs, dspark_loss, position_weights, term_names, weight_sum
-from dspark.vocab_terms import TILE_ELEMENTS, tau_gradient, term_weights, tile_rows
+from dspark.vocab_terms import TILE_ELEMENTS, term_weights, tile_rows
 
 H, V, R, B = 12, 40, 6, 4
 
@@ -48,19 +47,12 @@ class Verifier(nn.Module):
 
 
 def make_cfg(
-    weights=None,
-    chunk_size=4,
-    confidence_weight=0.7,
-    gamma=4.0,
-    hidden_weight=0.0,
-    hidden_slots=None,
-    tv_slot_weights="position",
+    weights=None, chunk_size=4, confidence_weight=0.7, gamma=4.0, hidden_weight=0.0, hidden_slots=None
 ) -> LossConfig:
     return LossConfig(
         weights=weights if weights is not None else {"ce": 0.1, "tv": 0.9, "kl": 0.3},
         confidence_weight=confidence_weight,
         gamma=gamma,
-        tv_slot_weights=tv_slot_weights,
         num_anchors=8,
         chunk_size=chunk_size,
         anchor_sampling="uniform",
@@ -214,69 +206,6 @@ def test_chunked_equals_unchunked(draft_vocab):
         torch.testing.assert_close(out.confidence, ref.confidence, rtol=1e-12, atol=1e-14)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
-
-
-def naive_block_taus(heads, verifier, hidden, prev, target_hidden, slot_mask, d2t):
-    """Each block's τ = 1 + Σ_k Π_{j≤k} α_j over its scored slots, one slot at a time (differentiable)."""
-    draft_ids = list(range(V)) if d2t is None else [i + int(d2t[i]) for i in range(len(d2t))]
-    taus = []
-    for i in range(slot_mask.shape[0]):
-        tau, survive = torch.ones((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
-        for k in range(slot_mask.shape[1]):
-            if not slot_mask[i, k]:
-                break
-            h, tok = hidden[i, k].view(1, 1, H), prev[i, k].view(1, 1)
-            q = torch.softmax(heads.draft_logits(h, tok)[0, 0], dim=0)
-            with torch.no_grad():
-                p = torch.softmax(verifier.logits(target_hidden[i, k]), dim=0)
-            q_full = torch.zeros(V, dtype=q.dtype).index_put((torch.tensor(draft_ids),), q)
-            survive = survive * torch.minimum(q_full, p).sum()
-            tau = tau + survive
-        taus.append(tau)
-    return torch.stack(taus)
-
-
-def test_tau_gradient_by_hand():
-    """τ = 1 + .5 + .5·.4 + .5·.4·.2 + .5·.4·.2·.1 = 1.744; a block ends at its first unscored slot (α 0)."""
-    got = tau_gradient(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.5, 0.4, 0.0, 0.0]], dtype=torch.float64))
-    want = torch.tensor([[1.488, 0.61, 0.22, 0.04], [1.4, 0.5, 0.2, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-
-
-@pytest.mark.parametrize("tile", [None, 3], ids=["one-tile", "3-row-tiles"])
-@pytest.mark.parametrize("keep_budget", [None, 0], ids=["kept", "recomputed"])
-@pytest.mark.parametrize("draft_vocab", CASES)
-def test_acceptance_slot_weights_give_the_gradient_of_tau(draft_vocab, keep_budget, tile, monkeypatch):
-    """loss.tv_slot_weights=acceptance: the tv part of the gradient is −∇Στ of the blocks (autograd through
-    the naive loop's τ), the other terms' and the reported terms as with position weights, and the tv part
-    of the loss is Σ ∂τ/∂α·tv with ∂τ/∂α from autograd at the naive α. Tiles smaller than a block must
-    still weigh every slot by its whole block."""
-    if tile is not None:
-        monkeypatch.setattr(vocab_terms, "TILE_ELEMENTS", tile * V)
-    heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t = make_case(seed=6, draft_vocab=draft_vocab)
-    case = (heads, verifier, hidden, prev, target_hidden, labels, slot_mask, d2t)
-    position = make_cfg(chunk_size=2 * B)
-    cfg = make_cfg(chunk_size=2 * B, tv_slot_weights="acceptance")
-    params = [hidden, *heads.parameters()]
-    norm = weight_sum(slot_mask, cfg.gamma)
-    w_tv = cfg.weights["tv"]
-
-    out = run_loss(*case, cfg, keep_budget=keep_budget)
-    ref, terms, alpha, _ = naive_loss(*case, position)
-    taus = naive_block_taus(heads, verifier, hidden, prev, target_hidden, slot_mask, d2t)
-    want = ref - w_tv * terms["tv"] - w_tv * taus.sum() / norm
-    for g, w in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(want, params), strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
-
-    leaf = (alpha * slot_mask).requires_grad_(True)  # τ as a function of the acceptances
-    survive = torch.cumprod(leaf, 1)
-    (dtau,) = torch.autograd.grad((1 + survive.sum(1)).sum(), leaf)
-    tv_part = (dtau * slot_mask * (1 - alpha)).sum() / norm
-    value = ref.detach() - w_tv * terms["tv"].detach() + w_tv * tv_part
-    torch.testing.assert_close(out.loss.detach(), value, rtol=1e-9, atol=1e-12)
-    for name in ("ce", "tv", "kl", "confidence"):
-        torch.testing.assert_close(out.terms[name], terms[name].detach(), rtol=1e-9, atol=1e-12)
-    assert not torch.allclose(tv_part, terms["tv"].detach())  # the weights differ from w_k
 
 
 def test_external_norm_splits_like_one_batch():

@@ -49,7 +49,6 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         weights={"ce": 0.1, "tv": 0.9, "kl": 0.2},
         confidence_weight=0.5,
         gamma=4.0,
-        tv_slot_weights="position",
         num_anchors=4,
         chunk_size=chunk_size,
         anchor_sampling="uniform",
