@@ -115,13 +115,15 @@ def validate_mapping(
         raise ValueError(f"{source}: t2d marks {int(t2d.sum())} ids, not exactly the {d2t.shape[0]} ids of d2t")
 
 
-MAPPING_GLOB = "vocab_map_*.safetensors"
+MAPPING_NAME = "vocab_map_{}.safetensors"
+"""A mapping file's name, by its draft vocabulary size."""
+MAPPING_GLOB = MAPPING_NAME.format("*")
 """The names `mapping_path` gives, of any size."""
 
 
 def mapping_path(data_dir: str | Path, draft_vocab_size: int) -> Path:
     """Where the mapping of a given size lives, next to the tokenized data it was counted from."""
-    return Path(data_dir) / f"vocab_map_{draft_vocab_size}.safetensors"
+    return Path(data_dir) / MAPPING_NAME.format(draft_vocab_size)
 
 
 def save_mapping(path: str | Path, d2t: Tensor, t2d: Tensor, meta: dict[str, Any] | None = None) -> Path:
