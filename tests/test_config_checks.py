@@ -90,6 +90,7 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "heldout.anchors_per_sample=0", "heldout", "heldout.anchors_per_sample must be null or >= 1, got 0"),
         ("eval", "heldout.anchors_per_sample=-5", "heldout", "heldout.anchors_per_sample must be null or >= 1, got -5"),
         ("train", "heldout.max_samples=0", "heldout", "heldout.max_samples must be null or >= 1, got 0"),
+        ("train", "train.train_samples=0", "train", "train.train_samples must be null or >= 1, got 0"),
         ("prune", "heldout.seed=-1", "heldout", "heldout.seed must be >= 0, got -1"),
         ("train", "heldout.anchors_per_forward=-64", "heldout", "heldout.anchors_per_forward must be >= 1, got -64"),
         ("eval", "eval.calibration.fit_fraction=1", "eval", "eval.calibration.fit_fraction must be in (0, 1)"),

@@ -227,6 +227,7 @@ ALTERNATIVES = {
     "seed": 1,
     "epochs": 4,
     "max_steps": 1,
+    "train_samples": 5,
     "tokens_per_step": 1024,
     "tokens_per_micro_batch": 256,
     "lr": 2e-2,
@@ -294,6 +295,16 @@ def test_resume_matrix_refuses_by_name_or_follows_the_new_value(world, base_run,
     assert seen["fixed"] and seen["changes"] and seen["free"]
     assert {"seed", "tokens_per_step", "init_from"} <= set(seen["fixed"])
     assert {"lr", "max_steps", "warmup_ratio", "epochs", "eval_store"} <= set(seen["changes"])
+
+
+def test_train_samples_trains_on_the_lowest_sample_ids_only(world, tmp_path):
+    """`train.train_samples=N`: a data-size study on one store trains on its first N samples by id."""
+    ids = sorted(ShardStore.open(world.train_store).index(), key=lambda r: r.sample_id)
+    trainer = trainer_for(config(world, tmp_path / "run", **{"train.train_samples": 3}))
+    assert {ref.sample_id for ref in trainer.train_split.refs} == {ref.sample_id for ref in ids[:3]}
+    assert trainer.train_split.counts["samples"] == 3
+    full = trainer_for(config(world, tmp_path / "full"))
+    assert full.train_split.counts["samples"] == len(ids) == 8
 
 
 def test_held_out_keys_are_compared_like_the_eval_store(world, base_run, tmp_path):

@@ -82,9 +82,11 @@ def open_store(url: str, field: str, target: Target) -> ShardStore:
     return store
 
 
-def open_split(url: str, field: str, target: Target, max_tokens: int, every_token: bool = False) -> StoreSplit:
+def open_split(
+    url: str, field: str, target: Target, max_tokens: int, every_token: bool = False, max_samples: int | None = None
+) -> StoreSplit:
     store = open_store(url, field, target)
-    split = StoreSplit.open(store, url, max_tokens, every_token)
+    split = StoreSplit.open(store, url, max_tokens, every_token, max_samples)
     if not split.refs:
         raise UserError(f"train.{field}={url} has no committed samples: nothing to train on")
     return split
@@ -260,7 +262,12 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     accelerator.print(target.describe())
     target_dir = target.model_dir
     train_split = open_split(
-        cfg.train_store, "train_store", target, cfg.tokens_per_micro_batch, every_token=loss_cfg.train_on_prompt
+        cfg.train_store,
+        "train_store",
+        target,
+        cfg.tokens_per_micro_batch,
+        every_token=loss_cfg.train_on_prompt,
+        max_samples=cfg.train_samples,
     )
     eval_store, eval_refs = open_heldout(cfg.eval_store, target, heldout) if cfg.eval_store is not None else (None, [])
 
@@ -269,7 +276,9 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
     verifier = VerifierHead.from_pretrained(target_dir).to(accelerator.device)
     counts = None
     if cfg.draft_vocab_from == "verifier" and new_mapping_needed(cfg, draft_cfg, vocab_size, run_dir):
-        counts = verifier_counts(open_store(cfg.train_store, "train_store", target), verifier, accelerator)
+        counts = verifier_counts(
+            open_store(cfg.train_store, "train_store", target), verifier, accelerator, cfg.train_samples
+        )
     # Rank 0 writes the run's mapping; the others read what it wrote.
     with accelerator.main_process_first():
         mapping_file = vocab_mapping(cfg, draft_cfg, vocab_size, run_dir, counts)

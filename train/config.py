@@ -25,6 +25,10 @@ class TrainConfig(Checked):
     """Directory of the run: checkpoints, vocab mapping, TensorBoard events, metrics.jsonl, drafter/."""
     train_store: str
     """Shard store (path or fsspec URL) with the training split."""
+    train_samples: int | None = resume_field("fixed")
+    """Train on the training store's first N samples (the lowest sample ids) only, as a smaller dataset would
+    be: a data-size study on one store; null = every sample. A `tokens`-ranked draft vocabulary still comes
+    from `token_freqs` (the whole dataset); a `verifier`-ranked one counts these N samples."""
     eval_store: str | None
     """Shard store with the held-out split, scored as `make eval` scores it (`heldout.*`); null = no evaluation."""
     token_freqs: str = resume_field("free")
@@ -118,7 +122,7 @@ class TrainConfig(Checked):
             "max_nonfinite_steps",
         )
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
-        self.at_least(1, "max_steps", nullable=True)
+        self.at_least(1, "max_steps", "train_samples", nullable=True)
         self.positive("lr", "collective_timeout_s")
         self.positive("grad_clip", nullable=True)
         self.one_of("resume", RESUME_MODES)

@@ -23,12 +23,15 @@ ROWS_PER_CHUNK = 256  # verifier distributions summed at a time: [256, V] float3
 
 
 @torch.no_grad()
-def verifier_counts(store: ShardStore, head: VerifierHead, accelerator: Accelerator) -> np.ndarray:
-    """float64 `[V]`: Σ over the store's loss-masked tokens t of the verifier's distribution at t − 1
-    (what `token_freqs.npy` counts, in expectation), from the stored final-layer states. Each rank sums
-    its share of the samples; every rank returns the total."""
+def verifier_counts(
+    store: ShardStore, head: VerifierHead, accelerator: Accelerator, max_samples: int | None = None
+) -> np.ndarray:
+    """float64 `[V]`: Σ over the loss-masked tokens t of the store's first `max_samples` samples (None: all)
+    of the verifier's distribution at t − 1 (what `token_freqs.npy` counts, in expectation), from the stored
+    final-layer states. Each rank sums its share of the samples; every rank returns the total."""
     device = accelerator.device
-    refs = sorted(store.index(), key=lambda r: r.sample_id)[accelerator.process_index :: accelerator.num_processes]
+    refs = sorted(store.index(), key=lambda r: r.sample_id)[:max_samples]
+    refs = refs[accelerator.process_index :: accelerator.num_processes]
     total = torch.zeros(head.vocab_size, dtype=torch.float64, device=device)
     bar = tqdm(refs, desc="draft vocabulary: verifier counts", unit="sample", disable=not accelerator.is_main_process)
     for ref in bar:
