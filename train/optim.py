@@ -34,7 +34,9 @@ def lr_groups(names: list[str], scales: dict[str, float]) -> dict[str, list[str]
     return groups
 
 
-def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(
+    named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig, multipliers: dict[str, float] | None = None
+) -> torch.optim.AdamW:
     """AdamW as every run uses it: the fused kernel (one pass over each parameter instead of a
     chain of foreach ops; ~10x faster on CPU at a 0.5B verifier's draft, see bench train_step).
 
@@ -45,6 +47,8 @@ def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
     prefix (`name`, "" for the rest) and its parameters' names (`param_names`): the groups are
     ordered by name, whatever the order of `lr_scales`, and a resume restores each parameter's
     state by its name (`load_state_by_name`). `initial_lr` is a group's peak LR (`lr` × scale).
+    A parameter in `multipliers` (by name) gets a group of its own, named by it, at its prefix's LR × its
+    multiplier (`copied_lr_multipliers`).
     """
     scales = cfg.lr_scales or {}
     params = dict(named)
@@ -55,14 +59,43 @@ def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
             f"train.lr_scales: {unused} match no trainable parameter (prefixes are module paths, e.g. layers, fc; "
             f"drop one with '~train.lr_scales.{unused[0]}')"
         )
+    multipliers = multipliers or {}
+    own = [(name, prefix) for prefix, names in groups.items() for name in names if name in multipliers]
+    shared = {prefix: [n for n in names if n not in multipliers] for prefix, names in groups.items()}
     param_groups = [
-        {"params": [(n, params[n]) for n in names], "name": prefix, "lr": peak, "initial_lr": peak}
-        for prefix, names in sorted(groups.items())
-        if names
-        for peak in [cfg.lr * scales.get(prefix, 1.0)]
+        {"params": [(n, params[n]) for n in members], "name": group, "lr": peak, "initial_lr": peak}
+        for group, members, peak in sorted(
+            [(p, names, cfg.lr * scales.get(p, 1.0)) for p, names in shared.items() if names]
+            + [(n, [n], cfg.lr * scales.get(p, 1.0) * multipliers[n]) for n, p in own]
+        )
     ]
     return torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay, fused=True
+    )
+
+
+def copied_lr_multipliers(model: torch.nn.Module, copied: list[str], ref_rms: float) -> dict[str, float]:
+    """LR multipliers of the weight matrices among the parameters named in `copied` (taken from the
+    verifier): each one's RMS as copied / `ref_rms` (`train.copied_lr_ref_rms`). AdamW moves every weight by
+    about the LR a step whatever its size, so a verifier whose weights are 10x smaller (Qwen2's ~0.015
+    against SmolLM2's ~0.2) would otherwise lose its copy 10x faster; scaled, a step moves each copied
+    matrix by the same fraction on every verifier. Norm weights and biases are not matrices and are left out."""
+    params = dict(model.named_parameters())
+    return {
+        name: float(params[name].detach().float().pow(2).mean().sqrt()) / ref_rms
+        for name in copied
+        if params[name].ndim == 2
+    }
+
+
+def describe_multipliers(multipliers: dict[str, float], ref_rms: float) -> str:
+    """One log line on `copied_lr_multipliers`' result."""
+    if not multipliers:
+        return "copied weights: no matrix copied, every weight trains at train.lr"
+    values = sorted(multipliers.values())
+    return (
+        f"copied weights: {len(values)} matrices train at lr × their RMS / {ref_rms} (train.copied_lr_ref_rms): "
+        f"× {values[0]:.3g} to {values[-1]:.3g}, median {values[len(values) // 2]:.3g}"
     )
 
 
@@ -112,4 +145,13 @@ def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> fl
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-__all__ = ["covers", "load_state_by_name", "lr_groups", "make_optimizer", "name_unnamed_groups", "warmup_cosine"]
+__all__ = [
+    "copied_lr_multipliers",
+    "covers",
+    "describe_multipliers",
+    "load_state_by_name",
+    "lr_groups",
+    "make_optimizer",
+    "name_unnamed_groups",
+    "warmup_cosine",
+]
