@@ -71,6 +71,7 @@ BASE = {
     "train.keep_last": 10,
     "train.log_every": 1,
     "train.log_with": "[]",
+    "train.copied_lr_ref_rms": "null",  # every group at lr × its lr_scales multiplier (expected_scale)
 }
 
 
@@ -141,7 +142,25 @@ def expected_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
 
 
-def check_follows_config(trainer: DSparkTrainer, ckpt: Path) -> None:
+def copy_rms(world) -> dict[str, float]:
+    """The RMS of each tensor the draft's 2 layers copy, read by hand from the verifier's file (its last
+    2 layers), by the draft's name: what `train.copied_lr_ref_rms` divides."""
+    files = list(world.verifier.glob("*.safetensors"))
+    weights = {k: v for f in files for k, v in load_file(f).items()}
+    first = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("model.layers.")) - 2
+    return {
+        f"layers.{int(k.split('.')[2]) - first}.{k.split('.', 3)[3]}": float(v.float().pow(2).mean().sqrt())
+        for k, v in weights.items()
+        if k.startswith("model.layers.") and int(k.split(".")[2]) >= first
+    }
+
+
+def expected_multiplier(name: str, p: torch.Tensor, cfg: TrainConfig, rms: dict[str, float]) -> float:
+    """`train.copied_lr_ref_rms`'s multiplier of a parameter, by hand: a copied matrix's RMS / ref, else 1."""
+    return rms[name] / cfg.copied_lr_ref_rms if cfg.copied_lr_ref_rms and name in rms and p.ndim == 2 else 1.0
+
+
+def check_follows_config(trainer: DSparkTrainer, ckpt: Path, rms: dict[str, float]) -> None:
     """Every parameter: its group's LR, betas and weight decay are this config's, the schedule at
     the resumed step is this config's, and its AdamW moments are its own from the checkpoint."""
     cfg, moments = trainer.cfg, saved_moments(ckpt)
@@ -151,11 +170,33 @@ def check_follows_config(trainer: DSparkTrainer, ckpt: Path) -> None:
         assert group["betas"] == tuple(cfg.adam_betas) and group["weight_decay"] == cfg.weight_decay
         for name, p in zip(group["param_names"], group["params"], strict=True):
             assert p is params[name]
-            assert group["initial_lr"] == pytest.approx(cfg.lr * expected_scale(name, cfg)), name
+            want = cfg.lr * expected_scale(name, cfg) * expected_multiplier(name, p, cfg, rms)
+            assert group["initial_lr"] == pytest.approx(want), name
             state = trainer.optimizer.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(state[key], moments[name][key]), (name, key)
     assert trainer.lr_factor(trainer.state.step) == pytest.approx(expected_factor(trainer.state.step, cfg))
+
+
+def test_copied_matrices_step_by_the_same_fraction_of_their_size(world, tmp_path):
+    """`train.copied_lr_ref_rms`: AdamW's first step moves each element by its group's LR (m̂/√v̂ = ±1), so
+    after it every copied matrix has moved by lr × its `lr_scales` multiplier / ref of its own RMS, whatever
+    that RMS; a matrix not copied (fc) by lr itself, and copied norms and biases by lr × their multiplier."""
+    ref, run_dir = 0.05, tmp_path / "run"
+    settings = {"train.copied_lr_ref_rms": ref, "train.max_steps": 1, "train.epochs": 1}
+    trainer = trainer_for(config(world, run_dir, **settings))
+    cfg, start = trainer.cfg, {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters()}
+    rms = copy_rms(world)
+    copied = [n for n in start if n.startswith("layers.") and n in rms]
+    assert len(copied) > 20 and len({round(rms[n], 4) for n in copied if start[n].ndim == 2}) > 3
+    assert expected_factor(0, cfg) == 1.0
+    run(config(world, run_dir, **settings))
+    moved = {n: (w - start[n]).abs() for n, w in load_file(run_dir / "checkpoints" / "step_1" / WEIGHTS_FILE).items()}
+    for name in copied:
+        step = float(moved[name][moved[name] > 0].median())  # untouched elements had no gradient
+        want = cfg.lr * expected_scale(name, cfg) * (rms[name] / ref if start[name].ndim == 2 else 1.0)
+        assert step == pytest.approx(want, rel=5e-3), name  # Adam's eps shrinks the smallest gradients' steps
+    assert float(moved["fc.weight"][moved["fc.weight"] > 0].median()) == pytest.approx(cfg.lr, rel=1e-3)
 
 
 def test_reordered_lr_scales_keep_each_parameters_lr_and_moments(world, base_run):
@@ -164,7 +205,7 @@ def test_reordered_lr_scales_keep_each_parameters_lr_and_moments(world, base_run
     a, b = moments["layers.0.mlp.up_proj.weight"]["exp_avg"], moments["layers.1.mlp.up_proj.weight"]["exp_avg"]
     assert a.shape == b.shape and not torch.equal(a, b)  # a swap would be seen
     trainer = trainer_for(config(world, base_run, **{"++train.lr_scales": "{layers.1: 2.0, layers.0: 0.5}"}))
-    check_follows_config(trainer, ckpt)
+    check_follows_config(trainer, ckpt, copy_rms(world))
     lrs = {n: g["initial_lr"] for g in trainer.optimizer.param_groups for n in g["param_names"]}
     assert lrs["layers.0.mlp.up_proj.weight"] == pytest.approx(0.5e-2)
     assert lrs["layers.1.mlp.up_proj.weight"] == pytest.approx(2e-2)
@@ -180,7 +221,7 @@ def test_unnamed_groups_of_an_older_checkpoint_are_named_from_its_config(world, 
     # ... in the order of that run's lr_scales, the rest first: [rest, markov_embed_proj, layers.0, layers.1]
     opt["optimizer"]["param_groups"].sort(key=lambda g: {"": 0, "markov_embed_proj": 1}.get(g["name"], 2))
     torch.save(opt, path)
-    check_follows_config(trainer_for(config(world, run_dir)), base_run / "checkpoints" / "step_2")
+    check_follows_config(trainer_for(config(world, run_dir)), base_run / "checkpoints" / "step_2", copy_rms(world))
 
 
 def test_a_checkpoint_with_keys_this_schema_no_longer_has_resumes_or_is_refused_in_one_line(world, base_run, tmp_path):
@@ -232,6 +273,7 @@ ALTERNATIVES = {
     "tokens_per_micro_batch": 256,
     "lr": 2e-2,
     "lr_scales": "{layers.0: 0.5, layers.1: 2.0, markov_embed_proj: 1.0}",
+    "copied_lr_ref_rms": 0.5,
     "weight_decay": 0.1,
     "adam_betas": "[0.8,0.9]",
     "warmup_ratio": 0.5,
@@ -287,7 +329,7 @@ def test_resume_matrix_refuses_by_name_or_follows_the_new_value(world, base_run,
         allowed = {"train.allow_resume_changes": "true"} if kind == "changes" else {}
         trainer = trainer_for(config(world, base_run, **change, **allowed))
         assert trainer.state.step == 2, key  # resumed, not started over
-        check_follows_config(trainer, ckpt)
+        check_follows_config(trainer, ckpt, copy_rms(world))
         if key == "eval_store":
             assert trainer.eval_store is not None and trainer.eval_refs[0].sample_id == 1000
         if key == "compile":  # compiled on a CPU too when asked for (auto compiles on CUDA only)

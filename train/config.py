@@ -71,6 +71,10 @@ class TrainConfig(Checked):
     lr_scales: dict[str, float] | None
     """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`,
     `markov_embed_proj`); 0 freezes."""
+    copied_lr_ref_rms: float | None
+    """The weight matrices copied from the verifier (`init_layers_from_verifier`) train at lr × (their RMS as
+    copied / this) × their `lr_scales` multiplier: a step then moves each by the same fraction on every
+    verifier, as on the one lr was tuned on (SmolLM2, RMS ~0.2). null: at lr like every other weight."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]
@@ -124,7 +128,7 @@ class TrainConfig(Checked):
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
         self.at_least(1, "max_steps", "train_samples", nullable=True)
         self.positive("lr", "collective_timeout_s")
-        self.positive("grad_clip", nullable=True)
+        self.positive("grad_clip", "copied_lr_ref_rms", nullable=True)
         self.one_of("resume", RESUME_MODES)
         self.one_of("mixed_precision", MIXED_PRECISION)
         self.one_of("draft_vocab_from", VOCAB_RANKINGS)
