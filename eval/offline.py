@@ -138,8 +138,7 @@ def pick_device(name: str) -> torch.device:
 
 def held_out_refs(store: ShardStore, max_samples: int | None) -> list[SampleRef]:
     """The samples evaluated: lowest sample ids first, so reruns and other drafters see the same ones."""
-    refs = sorted(store.index(), key=lambda r: r.sample_id)
-    return refs if max_samples is None else refs[:max_samples]
+    return store.by_sample_id(max_samples)
 
 
 def evaluate_store(

@@ -68,7 +68,7 @@ class StoreSplit:
         """Index the store (its first `max_samples` samples by sample id; None: all); the loss masks of samples
         longer than `max_tokens` are read to place their windows (`every_token`: every token counts as trained,
         as with `loss.train_on_prompt`: no mask is read and no window is left out)."""
-        samples = sorted(store.index(), key=lambda r: r.sample_id)[:max_samples]
+        samples = store.by_sample_id(max_samples)
         refs, offsets = [], []
         counts = {"samples": len(samples), "long_samples": 0, "windows": 0, "windows_left_out": 0}
         for ref in samples:

@@ -89,9 +89,7 @@ def copied_lr_multipliers(model: torch.nn.Module, copied: list[str], ref_rms: fl
 
 
 def describe_multipliers(multipliers: dict[str, float], ref_rms: float) -> str:
-    """One log line on `copied_lr_multipliers`' result."""
-    if not multipliers:
-        return "copied weights: no matrix copied, every weight trains at train.lr"
+    """One log line on `copied_lr_multipliers`' result (of at least one copied matrix)."""
     values = sorted(multipliers.values())
     return (
         f"copied weights: {len(values)} matrices train at lr × their RMS / {ref_rms} (train.copied_lr_ref_rms): "

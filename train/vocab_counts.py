@@ -30,8 +30,7 @@ def verifier_counts(
     of the verifier's distribution at t − 1 (what `token_freqs.npy` counts, in expectation), from the stored
     final-layer states. Each rank sums its share of the samples; every rank returns the total."""
     device = accelerator.device
-    refs = sorted(store.index(), key=lambda r: r.sample_id)[:max_samples]
-    refs = refs[accelerator.process_index :: accelerator.num_processes]
+    refs = store.by_sample_id(max_samples)[accelerator.process_index :: accelerator.num_processes]
     total = torch.zeros(head.vocab_size, dtype=torch.float64, device=device)
     bar = tqdm(refs, desc="draft vocabulary: verifier counts", unit="sample", disable=not accelerator.is_main_process)
     for ref in bar:

@@ -139,6 +139,11 @@ class ShardStore:
             refs += [SampleRef(name, int(offsets[i]), int(offsets[i + 1]), int(ids[i])) for i in range(len(ids))]
         return refs
 
+    def by_sample_id(self, max_samples: int | None = None) -> list[SampleRef]:
+        """Every committed sample, lowest sample id first (the first `max_samples` of them; None: all), so
+        reruns, other drafters and smaller training sets see the same ones."""
+        return sorted(self.index(), key=lambda r: r.sample_id)[:max_samples]
+
     def read(self, ref: SampleRef) -> Sample:
         """The sample at `ref`: one contiguous slice of each token-wise array.
 
