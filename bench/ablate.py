@@ -317,7 +317,7 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
                 run_dir = root / variant / f"x{budget}_s{seed}"
                 print(f"[{len(runs) + 1}/{total}] {variant} x{budget} seed {seed} (log: {run_dir}.log)", flush=True)
                 record, blocks[variant, budget, seed] = train_run(cfg, variant, budget, seed, run_dir)
-                runs.append(record)
+                runs.append({**record, "variant": variant})  # a stored run may have been made under another name
                 print(
                     f"[{len(runs)}/{total}] {variant} x{budget} seed {seed}: "
                     f"tau {blocks[variant, budget, seed].tau.mean():.4f} ({record['wall_s']:.0f} s)",

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -155,9 +156,12 @@ def copy_rms(world) -> dict[str, float]:
     }
 
 
-def expected_multiplier(name: str, p: torch.Tensor, cfg: TrainConfig, rms: dict[str, float]) -> float:
-    """`train.copied_lr_ref_rms`'s multiplier of a parameter, by hand: a copied matrix's RMS / ref, else 1."""
-    return rms[name] / cfg.copied_lr_ref_rms if cfg.copied_lr_ref_rms and name in rms and p.ndim == 2 else 1.0
+def expected_multiplier(name: str, cfg: TrainConfig, rms: dict[str, float], shapes: dict[str, int]) -> float:
+    """`train.copied_lr_ref_rms`'s multiplier of a parameter, by hand: for every tensor of a copied layer, the
+    median RMS of the copied matrices (by their number of dims, `shapes`) / ref; else 1."""
+    if not cfg.copied_lr_ref_rms or name not in rms:
+        return 1.0
+    return statistics.median(v for n, v in rms.items() if shapes[n] == 2) / cfg.copied_lr_ref_rms
 
 
 def check_follows_config(trainer: DSparkTrainer, ckpt: Path, rms: dict[str, float]) -> None:
@@ -166,11 +170,12 @@ def check_follows_config(trainer: DSparkTrainer, ckpt: Path, rms: dict[str, floa
     cfg, moments = trainer.cfg, saved_moments(ckpt)
     assert len(trainer.planner.epoch(0)) == 1  # what expected_factor assumes
     params = dict(trainer.raw_model.named_parameters())
+    shapes = {n: p.ndim for n, p in params.items()}
     for group in trainer.optimizer.param_groups:
         assert group["betas"] == tuple(cfg.adam_betas) and group["weight_decay"] == cfg.weight_decay
         for name, p in zip(group["param_names"], group["params"], strict=True):
             assert p is params[name]
-            want = cfg.lr * expected_scale(name, cfg) * expected_multiplier(name, p, cfg, rms)
+            want = cfg.lr * expected_scale(name, cfg) * expected_multiplier(name, cfg, rms, shapes)
             assert group["initial_lr"] == pytest.approx(want), name
             state = trainer.optimizer.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
@@ -178,10 +183,11 @@ def check_follows_config(trainer: DSparkTrainer, ckpt: Path, rms: dict[str, floa
     assert trainer.lr_factor(trainer.state.step) == pytest.approx(expected_factor(trainer.state.step, cfg))
 
 
-def test_copied_matrices_step_by_the_same_fraction_of_their_size(world, tmp_path):
+def test_copied_layers_step_by_the_same_fraction_of_their_weights_size(world, tmp_path):
     """`train.copied_lr_ref_rms`: AdamW's first step moves each element by its group's LR (m̂/√v̂ = ±1), so
-    after it every copied matrix has moved by lr × its `lr_scales` multiplier / ref of its own RMS, whatever
-    that RMS; a matrix not copied (fc) by lr itself, and copied norms and biases by lr × their multiplier."""
+    after it every tensor of the copied layers (matrices, norms, biases) has moved by lr × its `lr_scales`
+    multiplier × the median RMS of the copied matrices / ref, one number for all; fc (copied, not a layer)
+    by lr itself."""
     ref, run_dir = 0.05, tmp_path / "run"
     settings = {"train.copied_lr_ref_rms": ref, "train.max_steps": 1, "train.epochs": 1}
     trainer = trainer_for(config(world, run_dir, **settings))
@@ -190,11 +196,13 @@ def test_copied_matrices_step_by_the_same_fraction_of_their_size(world, tmp_path
     copied = [n for n in start if n.startswith("layers.") and n in rms]
     assert len(copied) > 20 and len({round(rms[n], 4) for n in copied if start[n].ndim == 2}) > 3
     assert expected_factor(0, cfg) == 1.0
+    median = statistics.median(rms[n] for n in copied if start[n].ndim == 2)
+    assert abs(median / ref - 1) > 0.2  # the multiplier is seen
     run(config(world, run_dir, **settings))
     moved = {n: (w - start[n]).abs() for n, w in load_file(run_dir / "checkpoints" / "step_1" / WEIGHTS_FILE).items()}
     for name in copied:
         step = float(moved[name][moved[name] > 0].median())  # untouched elements had no gradient
-        want = cfg.lr * expected_scale(name, cfg) * (rms[name] / ref if start[name].ndim == 2 else 1.0)
+        want = cfg.lr * expected_scale(name, cfg) * median / ref
         assert step == pytest.approx(want, rel=5e-3), name  # Adam's eps shrinks the smallest gradients' steps
     assert float(moved["fc.weight"][moved["fc.weight"] > 0].median()) == pytest.approx(cfg.lr, rel=1e-3)
 

@@ -35,7 +35,7 @@ from dspark.train.checkpoint import (
 from dspark.train.config import TrainConfig
 from dspark.train.data import StoreSplit
 from dspark.train.dspark_trainer import DSparkTrainer
-from dspark.train.optim import copied_lr_multipliers, describe_multipliers
+from dspark.train.optim import copied_layers_lr, with_copied_layers_lr
 from dspark.train.resume import clear_run, identity_changes, resume_point
 from dspark.train.vocab_counts import verifier_counts
 from dspark.verifier import VerifierHead
@@ -301,12 +301,16 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         layers, line = copyable_last_layers(model, target_dir)
         accelerator.print(line)
     fc, norm = (layers is not None if v == "auto" else v for v in (fc, cfg.init_norm_from_verifier))
-    multipliers = None
+    lr_scales = cfg.lr_scales
     if layers is not None or fc or norm:
         copied = init_from_verifier(model, target_dir, layers, fc, norm)
         if cfg.copied_lr_ref_rms is not None and layers is not None:  # before a warm start or resume replaces them
-            multipliers = copied_lr_multipliers(model, list(copied), cfg.copied_lr_ref_rms)
-            accelerator.print(describe_multipliers(multipliers, cfg.copied_lr_ref_rms))
+            multiplier = copied_layers_lr(model, list(copied), cfg.copied_lr_ref_rms)
+            lr_scales = with_copied_layers_lr(cfg.lr_scales, multiplier)
+            accelerator.print(
+                f"copied layers: train at lr × {multiplier:.3g} (the median RMS of their matrices / "
+                f"train.copied_lr_ref_rms={cfg.copied_lr_ref_rms}); LR multipliers {lr_scales}"
+            )
     verifier_name = served_verifier_name(target.name_or_path, target_dir)
     if cfg.init_from is not None and resume_from is None:  # a resume's weights are the checkpoint's
         warm_start(model, cfg.init_from, full_cfg, verifier_name)
@@ -328,7 +332,7 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         config_yaml=OmegaConf.to_yaml(full_cfg, resolve=True),
         run_files={} if mapping_file is None else {mapping_file.name: mapping_file},
         resume_from=resume_from,
-        lr_multipliers=multipliers,
+        lr_scales=lr_scales,
     )
 
 

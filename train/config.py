@@ -72,9 +72,10 @@ class TrainConfig(Checked):
     """LR multipliers by parameter-name prefix (a module path, e.g. `layers`, `layers.0`, `fc`,
     `markov_embed_proj`); 0 freezes."""
     copied_lr_ref_rms: float | None
-    """The weight matrices copied from the verifier (`init_layers_from_verifier`) train at lr × (their RMS as
-    copied / this) × their `lr_scales` multiplier: a step then moves each by the same fraction on every
-    verifier, as on the one lr was tuned on (SmolLM2, RMS ~0.2). null: at lr like every other weight."""
+    """The draft's layers copied from the verifier (`init_layers_from_verifier`) train at lr × (the median RMS
+    of their weight matrices as copied / this) × their `lr_scales` multiplier: a step then moves the copy by
+    about the same fraction on every verifier as on the one lr was tuned on (SmolLM2, RMS ~0.2). null: at
+    lr like every other weight."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]

@@ -9,6 +9,7 @@ another's moments. The schedule is a function of the step and the config alone.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def lr_groups(names: list[str], scales: dict[str, float]) -> dict[str, list[str]
 
 
 def make_optimizer(
-    named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig, multipliers: dict[str, float] | None = None
+    named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig, scales: dict[str, float] | None = None
 ) -> torch.optim.AdamW:
     """AdamW as every run uses it: the fused kernel (one pass over each parameter instead of a
     chain of foreach ops; ~10x faster on CPU at a 0.5B verifier's draft, see bench train_step).
@@ -47,26 +48,21 @@ def make_optimizer(
     prefix (`name`, "" for the rest) and its parameters' names (`param_names`): the groups are
     ordered by name, whatever the order of `lr_scales`, and a resume restores each parameter's
     state by its name (`load_state_by_name`). `initial_lr` is a group's peak LR (`lr` × scale).
-    A parameter in `multipliers` (by name) gets a group of its own, named by it, at its prefix's LR × its
-    multiplier (`copied_lr_multipliers`).
+    `scales` replaces `cfg.lr_scales` where given (`with_copied_layers_lr`'s result).
     """
-    scales = cfg.lr_scales or {}
+    scales = (cfg.lr_scales or {}) if scales is None else scales
     params = dict(named)
     groups = lr_groups([n for n, _ in named], scales)
-    unused = sorted(prefix for prefix in scales if not groups[prefix])
+    unused = sorted(prefix for prefix in cfg.lr_scales or {} if not groups[prefix])  # ones the user named
     if unused:
         raise UserError(
             f"train.lr_scales: {unused} match no trainable parameter (prefixes are module paths, e.g. layers, fc; "
             f"drop one with '~train.lr_scales.{unused[0]}')"
         )
-    multipliers = multipliers or {}
-    own = [(name, prefix) for prefix, names in groups.items() for name in names if name in multipliers]
-    shared = {prefix: [n for n in names if n not in multipliers] for prefix, names in groups.items()}
     param_groups = [
         {"params": [(n, params[n]) for n in members], "name": group, "lr": peak, "initial_lr": peak}
         for group, members, peak in sorted(
-            [(p, names, cfg.lr * scales.get(p, 1.0)) for p, names in shared.items() if names]
-            + [(n, [n], cfg.lr * scales.get(p, 1.0) * multipliers[n]) for n, p in own]
+            (p, names, cfg.lr * scales.get(p, 1.0)) for p, names in groups.items() if names
         )
     ]
     return torch.optim.AdamW(
@@ -74,27 +70,32 @@ def make_optimizer(
     )
 
 
-def copied_lr_multipliers(model: torch.nn.Module, copied: list[str], ref_rms: float) -> dict[str, float]:
-    """LR multipliers of the weight matrices among the parameters named in `copied` (taken from the
-    verifier): each one's RMS as copied / `ref_rms` (`train.copied_lr_ref_rms`). AdamW moves every weight by
-    about the LR a step whatever its size, so a verifier whose weights are 10x smaller (Qwen2's ~0.015
-    against SmolLM2's ~0.2) would otherwise lose its copy 10x faster; scaled, a step moves each copied
-    matrix by the same fraction on every verifier. Norm weights and biases are not matrices and are left out."""
+COPIED_LAYERS = "layers"  # the prefix of the draft's layers, which `init_layers_from_verifier` copies
+
+
+def copied_layers_lr(model: torch.nn.Module, copied: list[str], ref_rms: float) -> float:
+    """The LR multiplier of the draft's layers copied from the verifier (`train.copied_lr_ref_rms`): the median
+    RMS of the weight matrices copied into them / `ref_rms`. AdamW moves every weight by about the LR a step
+    whatever its size, so a verifier whose weights are 10x smaller (Qwen2's ~0.02 against SmolLM2's ~0.2)
+    would otherwise lose its copy 10x faster; scaled, a step moves the copy by about the same fraction on
+    every verifier as on the one the LR was tuned on. One number for all of them: the matrices' LRs keep
+    the ratios they were tuned at (a multiplier per matrix lost on SmolLM2, docs/levers.md)."""
     params = dict(model.named_parameters())
-    return {
-        name: float(params[name].detach().float().pow(2).mean().sqrt()) / ref_rms
-        for name in copied
-        if params[name].ndim == 2
+    rms = [
+        float(params[n].detach().float().pow(2).mean().sqrt())
+        for n in copied
+        if covers(COPIED_LAYERS, n) and params[n].ndim == 2
+    ]
+    return statistics.median(rms) / ref_rms
+
+
+def with_copied_layers_lr(scales: dict[str, float] | None, multiplier: float) -> dict[str, float]:
+    """`train.lr_scales` with the draft's layers, and every prefix inside them, at `multiplier` × their scale."""
+    scales = dict(scales or {})
+    inside = [p for p in scales if covers(COPIED_LAYERS, p)]
+    return {**scales, COPIED_LAYERS: scales.get(COPIED_LAYERS, 1.0) * multiplier} | {
+        p: scales[p] * multiplier for p in inside
     }
-
-
-def describe_multipliers(multipliers: dict[str, float], ref_rms: float) -> str:
-    """One log line on `copied_lr_multipliers`' result (of at least one copied matrix)."""
-    values = sorted(multipliers.values())
-    return (
-        f"copied weights: {len(values)} matrices train at lr × their RMS / {ref_rms} (train.copied_lr_ref_rms): "
-        f"× {values[0]:.3g} to {values[-1]:.3g}, median {values[len(values) // 2]:.3g}"
-    )
 
 
 def name_unnamed_groups(saved: dict, names: list[str], saved_train: DictConfig, source: Path) -> dict:
@@ -144,12 +145,12 @@ def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> fl
 
 
 __all__ = [
-    "copied_lr_multipliers",
+    "copied_layers_lr",
     "covers",
-    "describe_multipliers",
     "load_state_by_name",
     "lr_groups",
     "make_optimizer",
     "name_unnamed_groups",
     "warmup_cosine",
+    "with_copied_layers_lr",
 ]

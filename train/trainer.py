@@ -83,7 +83,7 @@ class Trainer:
         config_yaml: str,
         run_files: dict[str, Path],
         resume_from: Path | None,
-        lr_multipliers: dict[str, float] | None = None,
+        lr_scales: dict[str, float] | None = None,
     ):
         self.cfg = cfg
         self.accelerator = accelerator
@@ -104,7 +104,7 @@ class Trainer:
         self.params = [p for _, p in named]
         self.param_names = [n for n, _ in named]
         self.nonfinite_in_a_row = 0
-        self.optimizer = make_optimizer(named, cfg, lr_multipliers)
+        self.optimizer = make_optimizer(named, cfg, lr_scales)
         warmup = max(1, math.ceil(cfg.warmup_ratio * self.total_steps)) if cfg.warmup_ratio > 0 else 0
         # The schedule is a function of the step and this config alone (nothing of it is restored):
         # a resume that changes lr, warmup or the length follows the new values from its first step.
