@@ -24,7 +24,7 @@ from dspark.export import export_drafter, load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.train.config import TrainConfig
-from dspark.train.optim import make_optimizer
+from dspark.train.optim import copied_layers_lr, make_optimizer, with_copied_layers_lr
 from dspark.verifier import VerifierHead
 
 BLOCK = 4
@@ -198,6 +198,26 @@ def test_lr_scales_give_module_prefixes_their_own_lr(verifier_dir):
     cfg.lr_scales = {"layer": 0.5}  # a prefix is a module path, not a string prefix
     with pytest.raises(UserError, match=r"train.lr_scales: \['layer'\] match no trainable parameter"):
         make_optimizer(named, cfg)
+
+
+def test_the_copied_layers_multiplier_scales_every_prefix_inside_them(verifier_dir):
+    """`train.copied_lr_ref_rms`: the multiplier is the median RMS of the copied layers' matrices / ref (a
+    naive sort picks the median; norms, biases and fc stay out of it), and it scales every `lr_scales`
+    prefix inside the layers, including the layers' own entry, and nothing outside them."""
+    model = draft(verifier_dir)
+    params = dict(model.named_parameters())
+    copied = [*(n for n in params if n.startswith("layers.")), "fc.weight"]
+    rms = sorted(float((params[n].detach().double() ** 2).mean() ** 0.5) for n in copied[:-1] if params[n].ndim == 2)
+    assert len(rms) % 2 == 1 or rms[len(rms) // 2 - 1] != rms[len(rms) // 2]
+    naive = rms[len(rms) // 2] if len(rms) % 2 else (rms[len(rms) // 2 - 1] + rms[len(rms) // 2]) / 2
+    assert copied_layers_lr(model, copied, 0.5) == pytest.approx(naive / 0.5, rel=1e-6)
+    scales = {"markov_embed_proj": 4.0, "layers.*.mlp": 0.5, "layers.1": 2.0}
+    assert with_copied_layers_lr(scales, 0.1) == pytest.approx(
+        {"markov_embed_proj": 4.0, "layers.*.mlp": 0.05, "layers.1": 0.2, "layers": 0.1}
+    )
+    assert with_copied_layers_lr({"layers": 3.0}, 0.1) == pytest.approx({"layers": 0.3})
+    assert with_copied_layers_lr(None, 0.1) == pytest.approx({"layers": 0.1})
+    assert scales == {"markov_embed_proj": 4.0, "layers.*.mlp": 0.5, "layers.1": 2.0}  # not changed in place
 
 
 def test_the_markov_embed_proj_trains_at_4x_the_lr_by_default_only(verifier_dir):

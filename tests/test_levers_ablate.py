@@ -21,7 +21,7 @@ from train_stores import (
     write_token_freqs,
 )
 
-from bench import ablate, ablate_merge
+from bench import ablate, ablate_merge, ablate_pair
 from bench.ablate_record import REPO, digest, git_state, provenance, read_json, store_fingerprint
 from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
 from bench.ablate_variants import load_config
@@ -384,6 +384,57 @@ def test_a_rerun_reuses_rescores_a_torn_result_and_never_retrains_a_drafter(
     assert table["default"]["tau"]["mean"] == pytest.approx(
         Blocks.load(runs / "default" / "x1_s0" / "ablate.npz").tau.mean()
     )
+
+
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
+def test_a_stored_run_reused_under_another_name_is_labelled_by_it(tiny_world, tiny_ablation, tmp_path, monkeypatch):
+    """A variant whose composed config is a stored run's (the baseline's, copied under the new name, as a
+    lever's `no_*` variant is yesterday's defaults) reuses it untrained and untouched, and its table row
+    and run record name the variant it was reused for."""
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    runs = copy_of(tiny_ablation, tmp_path)
+    shutil.copytree(runs / "baseline", runs / "published_again")
+    stored = (runs / "published_again" / "x1_s0" / "ablate.json").read_bytes()
+    variants = yaml.safe_load((REPO / "bench" / "ablate_tiny.yaml").read_text())["variants"]
+    _, args = tiny_variant_file(
+        tiny_world, runs, variants={**variants, "published_again": []}, reference="published_again"
+    )
+    assert ablate.main([*args[:2], "only=published_again,default"]) == 0
+    assert (runs / "published_again" / "x1_s0" / "ablate.json").read_bytes() == stored  # not trained nor scored
+    result = json.loads((tmp_path / "runs_out" / "ablations.json").read_text())
+    assert (
+        {r["variant"] for r in result["table"]}
+        == {r["variant"] for r in result["runs"]}
+        == {
+            "published_again",
+            "default",
+        }
+    )
+    assert json.loads(stored)["variant"] == "baseline"
+
+
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
+def test_stored_runs_pair_as_the_table_pairs_them_and_only_alike(tiny_ablation, tmp_path):
+    """`bench.ablate_pair`: two stored runs give the gain (and its clustered SE) the table gave the same
+    pair, and recomputed here by a loop over conversations; a pair of other seeds is refused."""
+    table = json.loads((tiny_ablation.parent / "runs_out" / "ablations.json").read_text())
+    want = {r["variant"]: r for r in table["table"]}["default"]["gain_against"]
+    new, old = tiny_ablation / "default" / "x1_s0", tiny_ablation / "baseline" / "x1_s0"
+    assert ablate_pair.main([f"new={new}", f"old={old}", f"out={tmp_path}"]) == 0
+    got = json.loads((tmp_path / "paired.json").read_text())
+    assert got["gain"] == pytest.approx(want) and got["gain"]["se"] > 0
+    a, b = Blocks.load(new / "ablate.npz"), Blocks.load(old / "ablate.npz")
+    diffs = (a.tau - b.tau).tolist()
+    assert got["gain"]["se"] == pytest.approx(naive_clustered_se(diffs, a.key[:, 0].tolist()))
+    assert [r["variant"] for r in got["new"]["runs"] + got["old"]["runs"]] == ["default", "baseline"]
+    assert got["made"]["commit"] == git_state()["commit"]
+    other = tmp_path / "other_seed"
+    shutil.copytree(old, other)
+    record = json.loads((other / "ablate.json").read_text())
+    (other / "ablate.json").write_text(json.dumps({**record, "seed": 1}))
+    with pytest.raises(UserError, match=r"differ in \['seed'\]: not a pair"):
+        ablate_pair.main([f"new={new}", f"old={other}", f"out={tmp_path / 'refused'}"])
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.slow  # trains real runs: make test, not make test-fast

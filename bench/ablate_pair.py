@@ -1,0 +1,100 @@
+"""Stored `make ablate` runs of two arms, paired block by block:
+`python -m bench.ablate_pair new=RUN[,RUN] old=RUN[,RUN] out=DIR [bench_data=NAME]`.
+
+A table of `make ablate` pairs the variants it trains together. An arm stored under an older config key
+(trained before a config key was added, at an earlier commit) is not reused by it and would be trained
+again; this pairs it from its stored blocks instead. Each RUN is a run dir of `make ablate` (its
+`ablate.json` and `ablate.npz`); the i-th `new` run is paired with the i-th `old` one, which must be of
+the same seed and budget and scored on the same blocks of the same stores under the same held-out
+protocol (else a UserError, nothing written). Figures as `make ablate`'s (`bench.ablate_stats`): the gain
+paired per seed, SE clustered by held-out conversation, seeds combined; per seed; and per held-out
+source with `bench_data`. `DIR/paired.json` records both arms' run records (commits, config hashes,
+data fingerprints) and the commit it was paired at.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench import split_args, write_figures
+from bench.ablate_stats import Blocks, clustered_mean_se, over_seeds
+from dspark.entry import script_main
+from dspark.errors import UserError
+
+USAGE = "python -m bench.ablate_pair new=RUN[,RUN] old=RUN[,RUN] out=DIR [bench_data=NAME]"
+MATCHED = ("seed", "steps", "data", "heldout")  # what the two arms of one pair must share
+
+
+def read_run(path: Path) -> tuple[dict, Blocks]:
+    """A stored run's record and blocks (a UserError when either is missing)."""
+    blocks = Blocks.load(path / "ablate.npz")
+    try:
+        record = json.loads((path / "ablate.json").read_text())
+    except (OSError, ValueError):
+        record = None
+    if record is None or blocks is None:
+        raise UserError(f"{path}: not a scored make ablate run (ablate.json and ablate.npz)")
+    return record, blocks
+
+
+def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
+    """The paired figures of runs `new` against runs `old` (one pair per seed)."""
+    if not new or len(new) != len(old):
+        raise UserError(f"new= and old= name the same number of runs, one pair per seed ({len(new)} and {len(old)})")
+    arms = [[read_run(p) for p in side] for side in (new, old)]
+    for (mine, a), (theirs, b), path in zip(*arms, new, strict=True):
+        differ = [k for k in MATCHED if mine.get(k) != theirs.get(k)]
+        if differ or a.key.shape != b.key.shape or not (a.key == b.key).all():
+            raise UserError(f"{path} and its old run differ in {differ or ['their held-out blocks']}: not a pair")
+    seeds = [r["seed"] for r, _ in arms[0]]
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"one pair per seed: seeds {seeds}")
+    a, b = ([blocks for _, blocks in side] for side in arms)
+    conversations = a[0].conversations
+    gains = [x.tau - y.tau for x, y in zip(a, b, strict=True)]
+    result = {
+        "new": {"tau": over_seeds([x.tau for x in a], conversations), "runs": [r for r, _ in arms[0]]},
+        "old": {"tau": over_seeds([y.tau for y in b], conversations), "runs": [r for r, _ in arms[1]]},
+        "gain": over_seeds(gains, conversations),
+        "gain_per_seed": {
+            str(s): dict(zip(("mean", "se"), clustered_mean_se(g, conversations), strict=True))
+            for s, g in zip(seeds, gains, strict=True)
+        },
+    }
+    if sources:
+        labels = np.array([sources.get(int(c), "unknown") for c in conversations])
+        result["gain_by_source"] = {
+            label: over_seeds([g[labels == label] for g in gains], conversations[labels == label])
+            for label in sorted(set(labels.tolist()))
+        }
+    return result
+
+
+def main(argv: list[str]) -> int:
+    args, rest = split_args(argv, {"new", "old", "out", "bench_data"}, {"new", "old", "out"}, USAGE)
+    if rest:
+        raise UserError(f"unknown arguments {rest}; usage: {USAGE}")
+    sources = {}
+    if args.get("bench_data"):
+        from bench import lever_data
+        from dspark.eval.offline import read_sources
+
+        sources = read_sources(lever_data.materialize(args["bench_data"])["data_dir"])
+    result = write_figures(Path(args["out"]), "paired", pair(*(paths(args[k]) for k in ("new", "old")), sources))
+    gain, taus = result["gain"], [result[k]["tau"]["mean"] for k in ("new", "old")]
+    print(
+        f"gain {gain['mean']:+.4f} ± {gain['se']:.4f} over {gain['seeds']} seed(s) ({taus[0]:.4f} against "
+        f"{taus[1]:.4f}): {Path(args['out']) / 'paired.json'}"
+    )
+    return 0
+
+
+def paths(value: str) -> list[Path]:
+    return [Path(p) for p in value.split(",") if p]
+
+
+if __name__ == "__main__":
+    script_main(main)
