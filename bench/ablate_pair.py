@@ -8,19 +8,20 @@ again; this pairs it from its stored blocks instead. Each RUN is a run dir of `m
 the same seed and budget and scored on the same blocks of the same stores under the same held-out
 protocol (else a UserError, nothing written). Figures as `make ablate`'s (`bench.ablate_stats`): the gain
 paired per seed, SE clustered by held-out conversation, seeds combined; per seed; and per held-out
-source with `bench_data`. `DIR/paired.json` records both arms' run records (commits, config hashes,
-data fingerprints) and the commit it was paired at.
+source with `bench_data` (`by_source`, as in a table's rows). `DIR/paired.json` records both arms' run
+records (commits, config hashes, data fingerprints) and the commit it was paired at.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from bench import split_args, write_figures
-from bench.ablate_stats import Blocks, clustered_mean_se, over_seeds
+from bench.ablate import BLOCKS_FILE, RECORD_FILE
+from bench.ablate_record import read_json
+from bench.ablate_stats import Blocks, by_source, over_seeds, paired_gain
 from dspark.entry import script_main
 from dspark.errors import UserError
 
@@ -29,14 +30,10 @@ MATCHED = ("seed", "steps", "data", "heldout")  # what the two arms of one pair 
 
 
 def read_run(path: Path) -> tuple[dict, Blocks]:
-    """A stored run's record and blocks (a UserError when either is missing)."""
-    blocks = Blocks.load(path / "ablate.npz")
-    try:
-        record = json.loads((path / "ablate.json").read_text())
-    except (OSError, ValueError):
-        record = None
+    """A stored run's record and blocks (a UserError when either is missing or torn)."""
+    record, blocks = read_json(path / RECORD_FILE), Blocks.load(path / BLOCKS_FILE)
     if record is None or blocks is None:
-        raise UserError(f"{path}: not a scored make ablate run (ablate.json and ablate.npz)")
+        raise UserError(f"{path}: not a scored make ablate run ({RECORD_FILE} and {BLOCKS_FILE})")
     return record, blocks
 
 
@@ -52,24 +49,18 @@ def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
     seeds = [r["seed"] for r, _ in arms[0]]
     if len(set(seeds)) != len(seeds):
         raise UserError(f"one pair per seed: seeds {seeds}")
-    a, b = ([blocks for _, blocks in side] for side in arms)
+    a = [blocks for _, blocks in arms[0]]
+    theirs = {("old", 0, s): blocks for s, (_, blocks) in zip(seeds, arms[1], strict=True)}
     conversations = a[0].conversations
-    gains = [x.tau - y.tau for x, y in zip(a, b, strict=True)]
     result = {
         "new": {"tau": over_seeds([x.tau for x in a], conversations), "runs": [r for r, _ in arms[0]]},
-        "old": {"tau": over_seeds([y.tau for y in b], conversations), "runs": [r for r, _ in arms[1]]},
-        "gain": over_seeds(gains, conversations),
-        "gain_per_seed": {
-            str(s): dict(zip(("mean", "se"), clustered_mean_se(g, conversations), strict=True))
-            for s, g in zip(seeds, gains, strict=True)
-        },
+        "old": {"tau": over_seeds([y.tau for y in theirs.values()], conversations), "runs": [r for r, _ in arms[1]]},
+        "gain": paired_gain(a, theirs, "old", 0, seeds),
+        "gain_per_seed": {str(s): paired_gain([x], theirs, "old", 0, [s]) for s, x in zip(seeds, a, strict=True)},
     }
     if sources:
-        labels = np.array([sources.get(int(c), "unknown") for c in conversations])
-        result["gain_by_source"] = {
-            label: over_seeds([g[labels == label] for g in gains], conversations[labels == label])
-            for label in sorted(set(labels.tolist()))
-        }
+        labels = np.array([sources.get(int(c), "unknown") for c in conversations], dtype=object)
+        result["by_source"] = by_source(a, theirs, {"gain": "old"}, 0, seeds, labels)
     return result
 
 

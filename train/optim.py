@@ -91,10 +91,8 @@ def copied_layers_lr(model: torch.nn.Module, copied: list[str], ref_rms: float) 
 
 def with_copied_layers_lr(scales: dict[str, float] | None, multiplier: float) -> dict[str, float]:
     """`train.lr_scales` with the draft's layers, and every prefix inside them, at `multiplier` × their scale."""
-    scales = dict(scales or {})
-    inside = [p for p in scales if covers(COPIED_LAYERS, p)]
-    return {**scales, COPIED_LAYERS: scales.get(COPIED_LAYERS, 1.0) * multiplier} | {
-        p: scales[p] * multiplier for p in inside
+    return {
+        p: s * multiplier if covers(COPIED_LAYERS, p) else s for p, s in {COPIED_LAYERS: 1.0, **(scales or {})}.items()
     }
 
 
