@@ -35,7 +35,8 @@ Usage: python -m bench.ablate [config=bench/ablate.yaml] [out=bench/results] [on
 A file whose `common` names no verifier (`target=...`) trains the benchmark's on `bench_data`.
 A stored result is reused only when what produced it is unchanged (its score key); a drafter whose
 results are missing or torn is re-scored; a run interrupted before its drafter resumes from its
-checkpoint; anything else is retrained from step 0. A scored run's checkpoints are deleted
+checkpoint; anything else is retrained from step 0, a finished run of another config first moved aside
+to `<run>.<its train key>` (kept, never trained over). A scored run's checkpoints are deleted
 (`keep_checkpoints: true` keeps them): ~0.5 GB each on the embedded default, tens of GB over a table.
 """
 
@@ -169,6 +170,8 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
         busy = in_use(run_dir)  # before its records change: another process may be training it now
         if busy is not None:
             raise UserError(busy)
+        if not same_training and (run_dir / "drafter" / META_FILE).is_file():
+            set_aside(run_dir, training)
         # the same training continues from its checkpoint; another one (or none recorded) starts over
         resume = "auto" if same_training and any(run_dir.glob("checkpoints/*")) else "restart"
         for name in (RECORD_FILE, BLOCKS_FILE):
@@ -183,6 +186,20 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     if not cfg["keep_checkpoints"]:  # a scored run never resumes; its drafter stays
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return record, blocks
+
+
+def set_aside(run_dir: Path, training: dict | None) -> Path:
+    """Move a finished run of another training (and its log) to a sibling named by its train key: kept, not overwritten."""
+    key = (training or {}).get("train_key", "unkeyed")[:12]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    aside, n = run_dir.with_name(f"{run_dir.name}.{key}"), 1
+    while aside.exists() or aside.with_name(f"{aside.name}.log").exists():
+        aside, n = run_dir.with_name(f"{run_dir.name}.{key}.{n}"), n + 1
+    run_dir.rename(aside)
+    if log.is_file():
+        log.rename(aside.with_name(f"{aside.name}.log"))
+    print(f"  {run_dir} held a finished run of another config (train key {key}): kept as {aside}", flush=True)
+    return aside
 
 
 def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume: str) -> float:

@@ -467,6 +467,13 @@ def test_changed_steps_or_overrides_retrain_instead_of_reusing(tiny_world, tiny_
     assert ablate.main([*args[:2], "only=baseline"]) == 0
     new = read_json(runs / "baseline" / "x1_s0" / "ablate.json")
     assert new["steps"] == 3 and new["train_key"] != old["train_key"]
+    # the finished run of the other config was moved aside with its log, not trained over
+    aside = runs / "baseline" / f"x1_s0.{old['train_key'][:12]}"
+    assert {p.name: p.read_bytes() for p in aside.iterdir() if p.is_file() and p.name != "train.lock"} == {
+        name: data for name, data in before.items() if name != "x1_s0.log"
+    }
+    assert (aside / "drafter" / "model.safetensors").is_file()
+    assert aside.with_name(f"{aside.name}.log").read_bytes() == before["x1_s0.log"]
     # the key follows what the run trains on, whatever changes it
     base = provenance(ablate.compose(ablate.run_overrides(load_config(tmp_path / "runs.yaml"), "baseline", 1, 0, runs)))
     assert base["train_key"] == new["train_key"]
