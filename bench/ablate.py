@@ -188,7 +188,7 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
     return record, blocks
 
 
-def set_aside(run_dir: Path, training: dict | None) -> Path:
+def set_aside(run_dir: Path, training: dict | None) -> None:
     """Move a finished run of another training (and its log) to a sibling named by its train key: kept, not overwritten."""
     key = (training or {}).get("train_key", "unkeyed")[:12]
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -199,7 +199,6 @@ def set_aside(run_dir: Path, training: dict | None) -> Path:
     if log.is_file():
         log.rename(aside.with_name(f"{aside.name}.log"))
     print(f"  {run_dir} held a finished run of another config (train key {key}): kept as {aside}", flush=True)
-    return aside
 
 
 def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume: str) -> float:
