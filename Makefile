@@ -65,7 +65,7 @@ DEMO_SERVER = $(if $(HAS_CUDA),,'server.extra_args=[--enforce-eager]')
 demo: setup
 	$(BIN)/python -m extract.data $(DEMO_SERVER)
 	$(BIN)/python -m extract $(DEMO_SERVER)
-	MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 $(BIN)/torchrun --standalone --nproc_per_node 1 -m train +experiment=demo
+	MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 $(BIN)/python -m train.launch --standalone --nproc_per_node 1 -m train +experiment=demo
 	$(BIN)/python -m eval $(if $(HAS_CUDA),eval.online.num_prompts=4 eval.online.max_tokens=128,eval.online.enabled=false) \
 	    eval.decode.prompts_per_benchmark=2 eval.decode.max_new_tokens=64 eval.decode.adaptive=false
 
@@ -83,7 +83,7 @@ verify: setup
 	$(BIN)/python -m extract.verify $(ARGS)
 
 train: setup
-	$(BIN)/torchrun $(RDZV) --nproc_per_node $(GPUS) -m train $(ARGS)
+	$(BIN)/python -m train.launch $(RDZV) --nproc_per_node $(GPUS) -m train $(ARGS)
 
 eval: setup
 	$(BIN)/python -m eval $(if $(DRAFTER),drafter=$(DRAFTER)) $(ARGS)

@@ -41,6 +41,7 @@ def write_split(data_dir: Path, model_dir: Path | None, lines: dict[str, str]) -
     return data_dir
 
 
+LAUNCH = [sys.executable, "-m", "train.launch", "--standalone", "--nproc_per_node"]  # what make train runs
 GOOD_ROW = json.dumps({"sample_id": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n"
 
 
@@ -136,6 +137,8 @@ def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
             f"paths.root={tmp / 'train-run'}",
             f"train.train_store={tmp / 'no-store'}",
         ],
+        # make train: the launcher's failure adds one `train: rank 0 exited ...` line, no traceback
+        "train.launch: non-finite lr": [*LAUNCH, "1", "-m", "train", "train.lr=inf"],
         "eval.serve: no drafter": [sys.executable, "-m", "eval.serve", "drafter=/nope", *tiny_target(model)],
         "eval.serve: target dir that is no model": [
             sys.executable,
@@ -173,6 +176,7 @@ EXPECTED = {
     "eval.decode: bad temperatures": "eval.decode.temperatures must be a non-empty list of distinct values",
     "train: unknown config group option": "no-such-loss",
     "train: no train store": "no shard store at",  # train/build.py
+    "train.launch: non-finite lr": "train.lr must be a finite number, got inf",
     "eval.serve: no drafter": "/nope: not an exported drafter dir",
     "eval.serve: target dir that is no model": "directory has no config.json",  # dspark/target_dirs.py
     "extract.verify: manifest not JSON": "manifest.json is malformed",
@@ -226,3 +230,26 @@ def test_unexpected_exception_keeps_its_traceback(tmp_path):
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'a bug'" in bug.stderr, bug.stderr
     user = subprocess.run([sys.executable, str(script), "store=user"], env=env, capture_output=True, text=True)
     assert (user.returncode, user.stderr) == (2, "error: bad store\n")
+
+
+@pytest.mark.slow  # three torchrun launches, ~30 s on 2 cores
+def test_launch_names_the_failed_rank_and_exits_with_its_status(tmp_path):
+    """`make train`'s launcher: torchrun's ChildFailedError traceback gives way to one line naming the rank
+    that failed first; a rank's own traceback (a bug) stays; a signal becomes status 128 + its number."""
+    ok, bug, killed = tmp_path / "ok.py", tmp_path / "bug.py", tmp_path / "killed.py"
+    ok.write_text("print('ranks done')\n")
+    bug.write_text("import os\nif os.environ['RANK'] == '1':\n    raise KeyError('a bug')\n")
+    killed.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+
+    def launch(script: Path, nproc: int) -> subprocess.CompletedProcess:
+        return subprocess.run([*LAUNCH, str(nproc), str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    res = launch(ok, 2)
+    assert res.returncode == 0 and res.stdout.count("ranks done") == 2 and "train:" not in res.stderr, res.stderr
+    res = launch(bug, 2)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "KeyError: 'a bug'" in res.stderr and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.rstrip().splitlines()[-1].startswith("train: rank 1 exited with status 1"), res.stderr[-3000:]
+    res = launch(killed, 1)
+    assert res.returncode == 128 + 9 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.rstrip().splitlines()[-1].startswith("train: rank 0 was killed by SIGKILL"), res.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`make train NODES=2`: two torchrun launches joined by a c10d rendezvous on localhost (one gloo
+"""`make train NODES=2`: two torchrun launches (through train.launch) joined by a c10d rendezvous on localhost (one gloo
 process each, like two one-GPU nodes) end with the same weights as one launch of two processes.
 
 The launch commands are the ones the Makefile builds (`make -n`), so the test covers what a
@@ -87,9 +87,10 @@ def args(tmp_path_factory) -> str:
 
 def test_makefile_keeps_standalone_for_one_node():
     cmd = make_command("GPUS=2")
-    assert cmd[1:4] == ["--standalone", "--nproc_per_node", "2"] and "--nnodes" not in cmd
+    assert cmd[1:3] == ["-m", "train.launch"]  # torchrun's flags and launcher, one-line failures
+    assert cmd[3:6] == ["--standalone", "--nproc_per_node", "2"] and "--nnodes" not in cmd
     many = make_command("NODES=4", "NODE_RANK=3", "MASTER_ADDR=10.1.2.3", "MASTER_PORT=1234", "GPUS=8")
-    assert many[1:12] == [
+    assert many[3:14] == [
         "--nnodes",
         "4",
         "--node-rank",

@@ -97,12 +97,13 @@ def makefile_variables() -> set[str]:
 
 
 def stages_in_recipe(recipe: str) -> list[tuple[str, list[str]]]:
-    """(module, arguments) of every `... -m <module> args` line that `make -n` printed."""
+    """(module, arguments) of every `... -m <module> args` line that `make -n` printed; the last `-m` names
+    the stage (`python -m train.launch ... -m train args`: the launcher starts the stage)."""
     stages = []
     for line in recipe.replace("\\\n", " ").splitlines():
         _, words = split_command(line)
         if "-m" in words[:-1] and Path(words[0]).name.startswith(("python", "torchrun")):
-            at = words.index("-m")
+            at = len(words) - 1 - words[::-1].index("-m")
             stages.append((words[at + 1], words[at + 2 :]))
     return stages
 
