@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -201,6 +202,14 @@ def set_aside(run_dir: Path, training: dict | None) -> None:
     print(f"  {run_dir} held a finished run of another config (train key {key}): kept as {aside}", flush=True)
 
 
+def ended(returncode: int) -> str:
+    """How a failed subprocess ended: 'exited with status 2', 'was killed by SIGKILL (out of memory?)'."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    name = signal.Signals(-returncode).name
+    return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+
+
 def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume: str) -> float:
     """Run the training subprocess (its log beside the run dir); its wall time."""
     overrides = run_overrides(cfg, variant, budget, seed, run_dir, resume)
@@ -218,7 +227,10 @@ def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume
             stderr=subprocess.STDOUT,
         )
     if proc.returncode:
-        raise RuntimeError(f"{variant} x{budget} seed {seed} failed (exit {proc.returncode}); see {log}")
+        raise UserError(
+            f"{variant} x{budget} seed {seed}: its training {ended(proc.returncode)} (its log: {log}); the runs "
+            "finished before it are kept, and the same command continues from there"
+        )
     return time.perf_counter() - start
 
 

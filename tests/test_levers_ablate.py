@@ -27,6 +27,8 @@ from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summari
 from bench.ablate_variants import load_config
 from dspark.errors import UserError
 
+KILL_ITSELF = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"  # as the OOM killer ends a process
+
 
 def blocks(taus_minus_one: list[float], conversations: list[int] | None = None) -> Blocks:
     """Blocks of one slot whose τ is 1 + α (α given); each its own conversation unless `conversations` says."""
@@ -312,6 +314,23 @@ def tiny_ablation(tiny_world, tmp_path_factory):
 def copy_of(runs, tmp_path):
     shutil.copytree(runs, tmp_path / "runs")
     return tmp_path / "runs"
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [("import sys; sys.exit(2)", "exited with status 2"), (KILL_ITSELF, "was killed by SIGKILL (out of memory?)")],
+)
+def test_a_failed_training_is_one_clear_error_and_keeps_what_finished(tiny_world, tmp_path, monkeypatch, code, says):
+    """The training subprocess fails (a bad setting, the OOM killer): `make ablate` names the run, how it
+    ended and its log, as a UserError (one line, no traceback), with the untrained draft's score kept."""
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    runs = tmp_path / "runs"
+    _, args = tiny_variant_file(tiny_world, runs, launcher=["python", "-c", code])
+    with pytest.raises(
+        UserError, match=rf"baseline x1 seed 0: its training {re.escape(says)} \(its log: .*x1_s0\.log\)"
+    ):
+        ablate.main(args)
+    assert (runs / "baseline" / "untrained_s0" / ablate.RECORD_FILE).is_file()
 
 
 @pytest.mark.slow  # trains real runs: make test, not make test-fast
