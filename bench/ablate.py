@@ -59,6 +59,7 @@ from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import check_variants, load_config
 from dspark.entry import script_main
 from dspark.errors import UserError
+from dspark.lifetime import how_it_ended
 from dspark.run_lock import in_use
 
 DEFAULT_CONFIG = Path(__file__).with_name("ablate.yaml")
@@ -202,14 +203,6 @@ def set_aside(run_dir: Path, training: dict | None) -> None:
     print(f"  {run_dir} held a finished run of another config (train key {key}): kept as {aside}", flush=True)
 
 
-def ended(returncode: int) -> str:
-    """How a failed subprocess ended: 'exited with status 2', 'was killed by SIGKILL (out of memory?)'."""
-    if returncode >= 0:
-        return f"exited with status {returncode}"
-    name = signal.Signals(-returncode).name
-    return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
-
-
 def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume: str) -> float:
     """Run the training subprocess (its log beside the run dir); its wall time."""
     overrides = run_overrides(cfg, variant, budget, seed, run_dir, resume)
@@ -227,8 +220,9 @@ def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume
             stderr=subprocess.STDOUT,
         )
     if proc.returncode:
+        oom = " (out of memory?)" if proc.returncode == -signal.SIGKILL else ""
         raise UserError(
-            f"{variant} x{budget} seed {seed}: its training {ended(proc.returncode)} (its log: {log}); the runs "
+            f"{variant} x{budget} seed {seed}: its training {how_it_ended(proc.returncode)}{oom} (its log: {log}); the runs "
             "finished before it are kept, and the same command continues from there"
         )
     return time.perf_counter() - start

@@ -17,15 +17,15 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
+from dspark.lifetime import how_it_ended
+
 # logs the first failure as an error line of its own; the summary below names every failure
 ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 def describe(rank: int, failure: ProcessFailure) -> str:
     """'rank 1 exited with status 2' or 'rank 0 was killed by SIGKILL'."""
-    if failure.exitcode < 0:
-        return f"rank {rank} was killed by {failure.signal_name()}"
-    return f"rank {rank} exited with status {failure.exitcode}"
+    return f"rank {rank} {how_it_ended(failure.exitcode)}"
 
 
 def exit_status(failure: ProcessFailure) -> int:
