@@ -31,12 +31,12 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
-__all__ = ["die_with_parent"]
-
-
 def how_it_ended(returncode: int) -> str:
     """A failed process's end in words: 'exited with status 2', or 'was killed by SIGKILL' for the
     negative return code of a process a signal killed."""
     if returncode < 0:
         return f"was killed by {signal.Signals(-returncode).name}"
     return f"exited with status {returncode}"
+
+
+__all__ = ["die_with_parent", "how_it_ended"]

@@ -1,5 +1,6 @@
-"""`make train NODES=2`: two torchrun launches (through train.launch) joined by a c10d rendezvous on localhost (one gloo
-process each, like two one-GPU nodes) end with the same weights as one launch of two processes.
+"""`make train NODES=2`: two torchrun launches (through train.launch) joined by a c10d rendezvous on
+localhost (one gloo process each, like two one-GPU nodes) end with the same weights as one launch of
+two processes.
 
 The launch commands are the ones the Makefile builds (`make -n`), so the test covers what a
 user runs; the store and verifier come from tests/train_stores.py.
