@@ -61,16 +61,17 @@ def script_main(main: Callable[[list[str]], int]) -> None:
         fail(str(err))
 
 
-def check_overrides(config_name: str, overrides: list[str]) -> None:
-    """Compose the config once without running anything; a user error if Hydra refuses the overrides.
+def check_overrides(config_name: str, overrides: list[str]) -> DictConfig | None:
+    """Compose the config once without running anything and return it; a user error if Hydra refuses the
+    overrides.
 
-    Command lines with Hydra flags (`--help`, `--cfg job`, `-m`) are left to Hydra itself.
+    Command lines with Hydra flags (`--help`, `--cfg job`, `-m`) are left to Hydra itself (None).
     """
     if any(arg.startswith("-") for arg in overrides):
-        return
+        return None
     try:
         with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            hydra.compose(config_name=config_name, overrides=overrides)
+            return hydra.compose(config_name=config_name, overrides=overrides)
     except HydraException as err:
         cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
         fail(f"{err}{cause}")

@@ -137,8 +137,19 @@ def cases(tmp_path_factory, tiny_qwen3_dir) -> dict[str, list[str]]:
             f"paths.root={tmp / 'train-run'}",
             f"train.train_store={tmp / 'no-store'}",
         ],
-        # make train: the launcher's failure adds one `train: rank 0 exited ...` line, no traceback
-        "train.launch: non-finite lr": [*LAUNCH, "1", "-m", "train", "train.lr=inf"],
+        # make train GPUS=2: the launcher checks the config once, before any rank starts (one line, not two)
+        "train.launch: non-finite lr": [*LAUNCH, "2", "-m", "train", "train.lr=inf"],
+        "train.launch: misspelt key": [*LAUNCH, "2", "-m", "train", "train.lrr=0.001"],
+        # a rank's own user error (the store is only opened there): its line, then the launcher's `train:` line
+        "train.launch: no train store": [
+            *LAUNCH,
+            "1",
+            "-m",
+            "train",
+            *tiny_target(model),
+            f"paths.root={tmp / 'launch-run'}",
+            f"train.train_store={tmp / 'no-store'}",
+        ],
         "eval.serve: no drafter": [sys.executable, "-m", "eval.serve", "drafter=/nope", *tiny_target(model)],
         "eval.serve: target dir that is no model": [
             sys.executable,
@@ -177,6 +188,8 @@ EXPECTED = {
     "train: unknown config group option": "no-such-loss",
     "train: no train store": "no shard store at",  # train/build.py
     "train.launch: non-finite lr": "train.lr must be a finite number, got inf",
+    "train.launch: misspelt key": "Could not override 'train.lrr'",
+    "train.launch: no train store": "no shard store at",
     "eval.serve: no drafter": "/nope: not an exported drafter dir",
     "eval.serve: target dir that is no model": "directory has no config.json",  # dspark/target_dirs.py
     "extract.verify: manifest not JSON": "manifest.json is malformed",
@@ -205,6 +218,15 @@ def test_user_error_is_one_line_and_exit_2(name, results):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, res.stderr[-3000:]
     assert EXPECTED[name] in errors[0], errors[0]
+
+
+def test_launch_refuses_a_bad_config_before_any_rank_and_names_a_failed_rank(results):
+    """With two ranks a config error would print twice: the launcher checks it first and starts no rank. An
+    error only a rank can see (its store) is that rank's line, then the launcher's line naming the rank."""
+    for name in ("train.launch: non-finite lr", "train.launch: misspelt key"):
+        assert "train: rank" not in results[name].stderr, results[name].stderr[-3000:]
+    last = results["train.launch: no train store"].stderr.rstrip().splitlines()[-1]
+    assert last.startswith("train: rank 0 exited with status 2"), last
 
 
 @pytest.mark.slow  # ~30 s or more on 2 cores: make test, not make test-fast

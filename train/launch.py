@@ -7,6 +7,10 @@ top, burying that line. Here a failed launch prints one `train: ...` line naming
 first and how (its exit status or the signal that killed it), then the ranks torchrun stopped after it,
 and exits with the first failure's status (2 for a user error, 128 + the signal for a rank killed by
 one), as the stage itself would.
+
+A launch of the train stage (`-m train`) first composes and checks its config here, once: a misspelt key
+or a bad value is one `error: ...` line and status 2 before any rank starts, not the same line from
+every rank after each has imported torch.
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
+from dspark.entry import check_overrides, fail
+from dspark.errors import UserError
 from dspark.lifetime import how_it_ended
+from dspark.train.build import load_sections
 
+# the stage whose config the launcher checks before starting its ranks (`-m train`; installed: dspark.train)
+TRAIN_MODULES = {"train", "dspark.train"}
 # logs the first failure as an error line of its own; the summary below names every failure
 ELASTIC_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
@@ -33,8 +42,23 @@ def exit_status(failure: ProcessFailure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
 
 
+def check_train_config(module: bool, script: str, script_args: list[str]) -> None:
+    """For `-m train key=value ...`: the config every rank would compose, checked section by section; a user
+    error exits with one line (`dspark.entry.fail`). Other scripts are left to themselves."""
+    if not module or script not in TRAIN_MODULES:
+        return
+    cfg = check_overrides("train", script_args)
+    if cfg is None:  # Hydra's own flags (--help, --cfg job): the ranks answer them
+        return
+    try:
+        load_sections(cfg)
+    except UserError as err:
+        fail(str(err))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    check_train_config(args.module, args.training_script, list(args.training_script_args))
     logging.getLogger(ELASTIC_API_LOGGER).setLevel(logging.CRITICAL)
     try:
         run(args)
