@@ -55,9 +55,15 @@ def test_the_wheel_holds_one_namespace_with_every_stage_and_its_configs(wheel):
     for stage in ("extract", "train", "eval"):
         assert {f"dspark/{p.relative_to(REPO).as_posix()}" for p in (REPO / stage).rglob("*.py")} <= names
     assert {f"dspark/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")} <= names
-    assert {"dspark-data", "dspark-extract", "dspark-train", "dspark-eval", "dspark-decode", "dspark-serve"} <= set(
-        scripts
-    )
+    assert {
+        "dspark-data",
+        "dspark-extract",
+        "dspark-train",
+        "dspark-launch",
+        "dspark-eval",
+        "dspark-decode",
+        "dspark-serve",
+    } <= set(scripts)
     for target in scripts.values():  # each names a callable of the installed namespace
         module, _, attr = target.partition(":")
         assert module.startswith("dspark."), target
@@ -99,6 +105,25 @@ def test_installed_wheel_runs_its_stages_without_the_checkout(wheel, tmp_path):
         text=True,
     )
     assert cfg.returncode == 0 and "lr: 0.0001" in cfg.stdout, cfg.stderr
+    # torchrun with one-line failures, as make train runs it: a bad config is refused before any rank starts
+    launch = subprocess.run(
+        [
+            str(site / "bin" / "dspark-launch"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "dspark.train",
+            "train.lr=nan",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert launch.returncode == 2 and launch.stderr == "error: train.lr must be a finite number, got nan\n", (
+        launch.stderr
+    )
 
 
 def test_checkout_environment_has_no_bare_stage_names(tmp_path):
