@@ -24,7 +24,7 @@ from dspark.export import export_drafter, load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.train.config import TrainConfig
-from dspark.train.optim import copied_layers_lr, make_optimizer, with_copied_layers_lr
+from dspark.train.optim import copied_layers_lr, make_optimizer, with_copied_fc_lr, with_copied_layers_lr
 from dspark.verifier import VerifierHead
 
 BLOCK = 4
@@ -218,6 +218,20 @@ def test_the_copied_layers_multiplier_scales_every_prefix_inside_them(verifier_d
     assert with_copied_layers_lr({"layers": 3.0}, 0.1) == pytest.approx({"layers": 0.3})
     assert with_copied_layers_lr(None, 0.1) == pytest.approx({"layers": 0.1})
     assert scales == {"markov_embed_proj": 4.0, "layers.*.mlp": 0.5, "layers.1": 2.0}  # not changed in place
+
+
+def test_the_copied_fc_trains_at_a_quarter_of_the_lr_by_default_only():
+    """`train.copied_fc_lr_scale: 0.25` (conf/train.yaml): fc's multiplier, times its own `lr_scales` entry;
+    the published recipe (nothing copied) has none. Where it applies (fc copied) is build_trainer's, and
+    the step it gives is tests/test_train_guards.py's."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        default = load_section(TrainConfig, compose(config_name="train"), "train")
+        published = load_section(TrainConfig, compose(config_name="train", overrides=["+recipe=published"]), "train")
+    assert (default.copied_fc_lr_scale, published.copied_fc_lr_scale) == (0.25, None)
+    scales = {"markov_embed_proj": 4.0, "fc": 2.0}
+    assert with_copied_fc_lr(scales, 0.25) == {"markov_embed_proj": 4.0, "fc": 0.5}
+    assert with_copied_fc_lr(None, 0.25) == {"fc": 0.25}
+    assert scales == {"markov_embed_proj": 4.0, "fc": 2.0}  # not changed in place
 
 
 def test_the_markov_embed_proj_trains_at_4x_the_lr_by_default_only(verifier_dir):

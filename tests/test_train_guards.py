@@ -73,6 +73,7 @@ BASE = {
     "train.log_every": 1,
     "train.log_with": "[]",
     "train.copied_lr_ref_rms": "null",  # every group at lr × its lr_scales multiplier (expected_scale)
+    "train.copied_fc_lr_scale": "null",
 }
 
 
@@ -158,7 +159,10 @@ def copy_rms(world) -> dict[str, float]:
 
 def expected_multiplier(name: str, cfg: TrainConfig, rms: dict[str, float], shapes: dict[str, int]) -> float:
     """`train.copied_lr_ref_rms`'s multiplier of a parameter, by hand: for every tensor of a copied layer, the
-    median RMS of the copied matrices (by their number of dims, `shapes`) / ref; else 1."""
+    median RMS of the copied matrices (by their number of dims, `shapes`) / ref; `train.copied_fc_lr_scale`
+    for fc (copied from the last aux layer in these runs); else 1."""
+    if name.startswith("fc.") and cfg.copied_fc_lr_scale is not None:
+        return cfg.copied_fc_lr_scale
     if not cfg.copied_lr_ref_rms or name not in rms:
         return 1.0
     return statistics.median(v for n, v in rms.items() if shapes[n] == 2) / cfg.copied_lr_ref_rms
@@ -187,9 +191,14 @@ def test_copied_layers_step_by_the_same_fraction_of_their_weights_size(world, tm
     """`train.copied_lr_ref_rms`: AdamW's first step moves each element by its group's LR (m̂/√v̂ = ±1), so
     after it every tensor of the copied layers (matrices, norms, biases) has moved by lr × its `lr_scales`
     multiplier × the median RMS of the copied matrices / ref, one number for all; fc (copied, not a layer)
-    by lr itself."""
-    ref, run_dir = 0.05, tmp_path / "run"
-    settings = {"train.copied_lr_ref_rms": ref, "train.max_steps": 1, "train.epochs": 1}
+    by lr × `train.copied_fc_lr_scale`, and by lr itself where it starts random."""
+    ref, run_dir, fc_scale = 0.05, tmp_path / "run", 0.25
+    settings = {
+        "train.copied_lr_ref_rms": ref,
+        "train.copied_fc_lr_scale": fc_scale,
+        "train.max_steps": 1,
+        "train.epochs": 1,
+    }
     trainer = trainer_for(config(world, run_dir, **settings))
     cfg, start = trainer.cfg, {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters()}
     rms = copy_rms(world)
@@ -204,7 +213,13 @@ def test_copied_layers_step_by_the_same_fraction_of_their_weights_size(world, tm
         step = float(moved[name][moved[name] > 0].median())  # untouched elements had no gradient
         want = cfg.lr * expected_scale(name, cfg) * median / ref
         assert step == pytest.approx(want, rel=5e-3), name  # Adam's eps shrinks the smallest gradients' steps
-    assert float(moved["fc.weight"][moved["fc.weight"] > 0].median()) == pytest.approx(cfg.lr, rel=1e-3)
+    assert float(moved["fc.weight"][moved["fc.weight"] > 0].median()) == pytest.approx(cfg.lr * fc_scale, rel=1e-3)
+    random_fc = config(world, tmp_path / "random_fc", **settings, **{"train.init_fc_from_last_aux": "false"})
+    fc0 = trainer_for(random_fc).raw_model.fc.weight.detach().clone()
+    assert not torch.equal(fc0, start["fc.weight"])  # random, not the last aux layer
+    run(random_fc)
+    moved = (load_file(tmp_path / "random_fc" / "checkpoints" / "step_1" / WEIGHTS_FILE)["fc.weight"] - fc0).abs()
+    assert float(moved[moved > 0].median()) == pytest.approx(cfg.lr, rel=1e-3)
 
 
 def test_reordered_lr_scales_keep_each_parameters_lr_and_moments(world, base_run):
@@ -282,6 +297,7 @@ ALTERNATIVES = {
     "lr": 2e-2,
     "lr_scales": "{layers.0: 0.5, layers.1: 2.0, markov_embed_proj: 1.0}",
     "copied_lr_ref_rms": 0.5,
+    "copied_fc_lr_scale": 0.5,
     "weight_decay": 0.1,
     "adam_betas": "[0.8,0.9]",
     "warmup_ratio": 0.5,

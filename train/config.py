@@ -76,6 +76,9 @@ class TrainConfig(Checked):
     of their weight matrices as copied / this) × their `lr_scales` multiplier: a step then moves the copy by
     about the same fraction on every verifier as on the one lr was tuned on (SmolLM2, RMS ~0.2). null: at
     lr like every other weight."""
+    copied_fc_lr_scale: float | None
+    """fc, when it starts as the verifier's last aux layer (`init_fc_from_last_aux`), trains at lr × this ×
+    its `lr_scales` multiplier (0 freezes it); a random fc trains at lr. null: at lr either way."""
     weight_decay: float
     """AdamW decoupled weight decay."""
     adam_betas: list[float]
@@ -127,6 +130,7 @@ class TrainConfig(Checked):
             "max_nonfinite_steps",
         )
         self.at_least(0, "eval_every", "data_workers", "weight_decay")
+        self.at_least(0, "copied_fc_lr_scale", nullable=True)
         self.at_least(1, "max_steps", "train_samples", nullable=True)
         self.positive("lr", "collective_timeout_s")
         self.positive("grad_clip", "copied_lr_ref_rms", nullable=True)

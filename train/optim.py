@@ -96,6 +96,12 @@ def with_copied_layers_lr(scales: dict[str, float] | None, multiplier: float) ->
     }
 
 
+def with_copied_fc_lr(scales: dict[str, float] | None, scale: float) -> dict[str, float]:
+    """`train.lr_scales` with fc (copied from the verifier's last aux layer) at `scale` × its scale."""
+    scales = scales or {}
+    return {**scales, "fc": scales.get("fc", 1.0) * scale}
+
+
 def name_unnamed_groups(saved: dict, names: list[str], saved_train: DictConfig, source: Path) -> dict:
     """A `state_dict()` saved before param groups carried names: its groups were the non-empty ones
     of `lr_groups` in the order of the checkpoint's own `train.lr_scales` (the rest first), which
@@ -150,5 +156,6 @@ __all__ = [
     "make_optimizer",
     "name_unnamed_groups",
     "warmup_cosine",
+    "with_copied_fc_lr",
     "with_copied_layers_lr",
 ]
