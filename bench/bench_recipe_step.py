@@ -43,7 +43,8 @@ from bench.bench_train_step import KEEP_FREED
 from dspark.errors import MissingInput
 from dspark.store import Sample, StoreWriter, bf16_to_bits
 from dspark.targets import resolve_target
-from dspark.train.build import build_trainer, load_sections, make_accelerator
+from dspark.train.build import build_trainer, make_accelerator
+from dspark.train.config import load_sections
 from dspark.train.sampler import share_of_rank
 from dspark.vocab import count_tokens
 

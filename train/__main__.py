@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from dspark.entry import stage_main
 from dspark.lifetime import die_with_parent
 from dspark.run_lock import holding_run_dir
-from dspark.train.build import build_trainer, check_devices, load_sections, make_accelerator
+from dspark.train.build import build_trainer, check_devices, make_accelerator
+from dspark.train.config import load_sections
 
 DDP_FILE = os.path.join("torch", "nn", "parallel", "distributed.py")
 

@@ -9,7 +9,6 @@ import json
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -17,7 +16,7 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration
 from omegaconf import DictConfig, OmegaConf
 
-from dspark.config import DraftConfig, HeldoutConfig, LossConfig, TargetConfig, load_section
+from dspark.config import DraftConfig, HeldoutConfig
 from dspark.errors import MissingInput, UserError
 from dspark.eval.offline import held_out_refs
 from dspark.export import load_drafter
@@ -32,7 +31,7 @@ from dspark.train.checkpoint import (
     resolve_checkpoint,
     trainable_state,
 )
-from dspark.train.config import TrainConfig
+from dspark.train.config import TrainConfig, load_sections
 from dspark.train.data import StoreSplit
 from dspark.train.dspark_trainer import DSparkTrainer
 from dspark.train.optim import copied_layers_lr, with_copied_fc_lr, with_copied_layers_lr
@@ -222,32 +221,6 @@ def served_verifier_name(name_or_path: str, target_dir: Path) -> str:
     return name_or_path
 
 
-class TrainSections(NamedTuple):
-    """The sections of a training config, each checked (`load_sections`)."""
-
-    train: TrainConfig
-    target: TargetConfig
-    model: DraftConfig
-    loss: LossConfig
-    heldout: HeldoutConfig
-
-
-def load_sections(full_cfg: DictConfig) -> TrainSections:
-    """Every section of a training config, checked; a UserError on the first bad value. Reads and writes
-    nothing, so a run refuses a bad config before it touches its run dir."""
-    sections = TrainSections(
-        train=load_section(TrainConfig, full_cfg, "train"),
-        target=load_section(TargetConfig, full_cfg, "target"),
-        model=load_section(DraftConfig, full_cfg, "model"),
-        loss=load_section(LossConfig, full_cfg, "loss"),
-        heldout=load_section(HeldoutConfig, full_cfg, "heldout"),
-    )
-    cfg = sections.train
-    if cfg.eval_store is not None and cfg.eval_store == cfg.train_store:
-        raise UserError(f"train.eval_store is train.train_store ({cfg.train_store}): evaluate on a held-out store")
-    return sections
-
-
 def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrainer:
     """Check every input, build the draft and return its trainer (resumed when asked)."""
     cfg, target_cfg, draft_cfg, loss_cfg, heldout = load_sections(full_cfg)
@@ -342,10 +315,8 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
 
 
 __all__ = [
-    "TrainSections",
     "build_trainer",
     "check_devices",
-    "load_sections",
     "make_accelerator",
     "open_store",
     "vocab_mapping",

@@ -1,11 +1,16 @@
-"""Schema of the `train:` section of `conf/train.yaml` (types and meaning; defaults live in the YAML)."""
+"""Schema of the `train:` section of `conf/train.yaml` (types and meaning; defaults live in the YAML), and the
+check of every section of a training config (`load_sections`: config classes only, cheap to import for the
+launcher, which runs it before starting ranks)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-from dspark.config import Checked, resume_field
+from omegaconf import DictConfig
+
+from dspark.config import Checked, DraftConfig, HeldoutConfig, LossConfig, TargetConfig, load_section, resume_field
+from dspark.errors import UserError
 
 RESUME_MODES = ("auto", "never", "must", "restart")
 MIXED_PRECISION = ("auto", "bf16", "no")
@@ -153,4 +158,30 @@ class TrainConfig(Checked):
                 self.refuse(key, "must be true, false or auto")
 
 
-__all__ = ["MIXED_PRECISION", "RESUME_MODES", "VOCAB_RANKINGS", "TrainConfig"]
+class TrainSections(NamedTuple):
+    """The sections of a training config, each checked (`load_sections`)."""
+
+    train: TrainConfig
+    target: TargetConfig
+    model: DraftConfig
+    loss: LossConfig
+    heldout: HeldoutConfig
+
+
+def load_sections(full_cfg: DictConfig) -> TrainSections:
+    """Every section of a training config, checked; a UserError on the first bad value. Reads and writes
+    nothing, so a run refuses a bad config before it touches its run dir."""
+    sections = TrainSections(
+        train=load_section(TrainConfig, full_cfg, "train"),
+        target=load_section(TargetConfig, full_cfg, "target"),
+        model=load_section(DraftConfig, full_cfg, "model"),
+        loss=load_section(LossConfig, full_cfg, "loss"),
+        heldout=load_section(HeldoutConfig, full_cfg, "heldout"),
+    )
+    cfg = sections.train
+    if cfg.eval_store is not None and cfg.eval_store == cfg.train_store:
+        raise UserError(f"train.eval_store is train.train_store ({cfg.train_store}): evaluate on a held-out store")
+    return sections
+
+
+__all__ = ["MIXED_PRECISION", "RESUME_MODES", "VOCAB_RANKINGS", "TrainConfig", "TrainSections", "load_sections"]

@@ -24,7 +24,7 @@ from torch.distributed.run import parse_args, run
 from dspark.entry import check_overrides, fail
 from dspark.errors import UserError
 from dspark.lifetime import how_it_ended
-from dspark.train.build import load_sections
+from dspark.train.config import load_sections
 
 # the stage whose config the launcher checks before starting its ranks (`-m train`; installed: dspark.train)
 TRAIN_MODULES = {"train", "dspark.train"}
