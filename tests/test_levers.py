@@ -24,7 +24,7 @@ from dspark.export import export_drafter, load_drafter
 from dspark.init import copyable_last_layers, init_from_verifier
 from dspark.model import DSparkDraft
 from dspark.train.config import TrainConfig
-from dspark.train.optim import copied_layers_lr, make_optimizer, with_copied_fc_lr, with_copied_layers_lr
+from dspark.train.optim import copied_layers_lr, make_optimizer, with_prefix_lr
 from dspark.verifier import VerifierHead
 
 BLOCK = 4
@@ -212,11 +212,11 @@ def test_the_copied_layers_multiplier_scales_every_prefix_inside_them(verifier_d
     naive = rms[len(rms) // 2] if len(rms) % 2 else (rms[len(rms) // 2 - 1] + rms[len(rms) // 2]) / 2
     assert copied_layers_lr(model, copied, 0.5) == pytest.approx(naive / 0.5, rel=1e-6)
     scales = {"markov_embed_proj": 4.0, "layers.*.mlp": 0.5, "layers.1": 2.0}
-    assert with_copied_layers_lr(scales, 0.1) == pytest.approx(
+    assert with_prefix_lr(scales, "layers", 0.1) == pytest.approx(
         {"markov_embed_proj": 4.0, "layers.*.mlp": 0.05, "layers.1": 0.2, "layers": 0.1}
     )
-    assert with_copied_layers_lr({"layers": 3.0}, 0.1) == pytest.approx({"layers": 0.3})
-    assert with_copied_layers_lr(None, 0.1) == pytest.approx({"layers": 0.1})
+    assert with_prefix_lr({"layers": 3.0}, "layers", 0.1) == pytest.approx({"layers": 0.3})
+    assert with_prefix_lr(None, "layers", 0.1) == pytest.approx({"layers": 0.1})
     assert scales == {"markov_embed_proj": 4.0, "layers.*.mlp": 0.5, "layers.1": 2.0}  # not changed in place
 
 
@@ -229,8 +229,10 @@ def test_the_copied_fc_trains_at_a_quarter_of_the_lr_by_default_only():
         published = load_section(TrainConfig, compose(config_name="train", overrides=["+recipe=published"]), "train")
     assert (default.copied_fc_lr_scale, published.copied_fc_lr_scale) == (0.25, None)
     scales = {"markov_embed_proj": 4.0, "fc": 2.0}
-    assert with_copied_fc_lr(scales, 0.25) == {"markov_embed_proj": 4.0, "fc": 0.5}
-    assert with_copied_fc_lr(None, 0.25) == {"fc": 0.25}
+    assert with_prefix_lr(scales, "fc", 0.25) == {"markov_embed_proj": 4.0, "fc": 0.5}
+    assert with_prefix_lr(None, "fc", 0.25) == {"fc": 0.25}
+    # a user's entry inside fc is scaled with it, as those inside the copied layers are
+    assert with_prefix_lr({"fc.weight": 2.0}, "fc", 0.25) == {"fc": 0.25, "fc.weight": 0.5}
     assert scales == {"markov_embed_proj": 4.0, "fc": 2.0}  # not changed in place
 
 

@@ -34,7 +34,7 @@ from dspark.train.checkpoint import (
 from dspark.train.config import TrainConfig, load_sections
 from dspark.train.data import StoreSplit
 from dspark.train.dspark_trainer import DSparkTrainer
-from dspark.train.optim import copied_layers_lr, with_copied_fc_lr, with_copied_layers_lr
+from dspark.train.optim import COPIED_FC, COPIED_LAYERS, copied_layers_lr, with_prefix_lr
 from dspark.train.resume import clear_run, identity_changes, resume_point
 from dspark.train.vocab_counts import verifier_counts
 from dspark.verifier import VerifierHead
@@ -279,13 +279,13 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         copied = init_from_verifier(model, target_dir, layers, fc, norm)
         if cfg.copied_lr_ref_rms is not None and layers is not None:  # before a warm start or resume replaces them
             multiplier = copied_layers_lr(model, list(copied), cfg.copied_lr_ref_rms)
-            lr_scales = with_copied_layers_lr(lr_scales, multiplier)
+            lr_scales = with_prefix_lr(lr_scales, COPIED_LAYERS, multiplier)
             accelerator.print(
                 f"copied layers: train at lr × {multiplier:.3g} (the median RMS of their matrices / "
                 f"train.copied_lr_ref_rms={cfg.copied_lr_ref_rms})"
             )
         if fc and cfg.copied_fc_lr_scale is not None:
-            lr_scales = with_copied_fc_lr(lr_scales, cfg.copied_fc_lr_scale)
+            lr_scales = with_prefix_lr(lr_scales, COPIED_FC, cfg.copied_fc_lr_scale)
             accelerator.print(f"copied fc: trains at lr × {cfg.copied_fc_lr_scale:g} (train.copied_fc_lr_scale)")
         if lr_scales != cfg.lr_scales:
             accelerator.print(f"LR multipliers {lr_scales}")

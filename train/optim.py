@@ -48,7 +48,7 @@ def make_optimizer(
     prefix (`name`, "" for the rest) and its parameters' names (`param_names`): the groups are
     ordered by name, whatever the order of `lr_scales`, and a resume restores each parameter's
     state by its name (`load_state_by_name`). `initial_lr` is a group's peak LR (`lr` × scale).
-    `scales` replaces `cfg.lr_scales` where given (`with_copied_layers_lr`'s result).
+    `scales` replaces `cfg.lr_scales` where given (`with_prefix_lr`'s result).
     """
     scales = (cfg.lr_scales or {}) if scales is None else scales
     params = dict(named)
@@ -71,6 +71,7 @@ def make_optimizer(
 
 
 COPIED_LAYERS = "layers"  # the prefix of the draft's layers, which `init_layers_from_verifier` copies
+COPIED_FC = "fc"  # the aux states' projection, which `init_fc_from_last_aux` copies
 
 
 def copied_layers_lr(model: torch.nn.Module, copied: list[str], ref_rms: float) -> float:
@@ -89,17 +90,10 @@ def copied_layers_lr(model: torch.nn.Module, copied: list[str], ref_rms: float) 
     return statistics.median(rms) / ref_rms
 
 
-def with_copied_layers_lr(scales: dict[str, float] | None, multiplier: float) -> dict[str, float]:
-    """`train.lr_scales` with the draft's layers, and every prefix inside them, at `multiplier` × their scale."""
-    return {
-        p: s * multiplier if covers(COPIED_LAYERS, p) else s for p, s in {COPIED_LAYERS: 1.0, **(scales or {})}.items()
-    }
-
-
-def with_copied_fc_lr(scales: dict[str, float] | None, scale: float) -> dict[str, float]:
-    """`train.lr_scales` with fc (copied from the verifier's last aux layer) at `scale` × its scale."""
-    scales = scales or {}
-    return {**scales, "fc": scales.get("fc", 1.0) * scale}
+def with_prefix_lr(scales: dict[str, float] | None, prefix: str, multiplier: float) -> dict[str, float]:
+    """`train.lr_scales` with the parameters under module path `prefix` (the copied layers, the copied fc), and
+    every prefix inside it, at `multiplier` × their scale; `prefix`'s own entry is added at 1 when missing."""
+    return {p: s * multiplier if covers(prefix, p) else s for p, s in {prefix: 1.0, **(scales or {})}.items()}
 
 
 def name_unnamed_groups(saved: dict, names: list[str], saved_train: DictConfig, source: Path) -> dict:
@@ -149,6 +143,8 @@ def warmup_cosine(step: int, *, total: int, warmup: int, min_ratio: float) -> fl
 
 
 __all__ = [
+    "COPIED_FC",
+    "COPIED_LAYERS",
     "copied_layers_lr",
     "covers",
     "load_state_by_name",
@@ -156,6 +152,5 @@ __all__ = [
     "make_optimizer",
     "name_unnamed_groups",
     "warmup_cosine",
-    "with_copied_fc_lr",
-    "with_copied_layers_lr",
+    "with_prefix_lr",
 ]
