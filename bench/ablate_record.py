@@ -31,6 +31,11 @@ PLACEMENT_KEYS = ("run_dir", "run_name", "resume")
 # Keys that change how fast a run goes, not what it computes (`train.compile`: compiled kernels, the same
 # step to float rounding; tests/test_model.py): runs that differ only in them score alike.
 SPEED_KEYS = ("compile",)
+# Keys that set how often a run logs and saves, not what it computes: a run resumed from its checkpoint trains as
+# an unbroken one does (tests/test_train.py's kill loop), so runs that differ only in them score alike. They enter
+# the key at these values, the ones every run of the shipped variant files was keyed with before checkpoints were
+# saved during lever runs, so runs stored before keep their keys.
+RECORDING_KEYS = {"save_every": 1000000, "keep_last": 3, "log_every": 1}
 
 
 def check_name(kind: str, name: object) -> str:
@@ -101,13 +106,15 @@ def data_fingerprints(train_cfg) -> dict:
 
 
 def resolved_config(full_cfg) -> tuple[dict, dict]:
-    """The composed config as plain values, without the keys that only place the run or set its speed, without
-    its `heldout` section; and that section (the held-out protocol the run is scored by)."""
+    """The composed config as plain values, without the keys that only place the run or set its speed, its
+    recording keys at fixed values, without its `heldout` section; and that section (the held-out protocol the
+    run is scored by)."""
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(full_cfg, resolve=True)
     for key in PLACEMENT_KEYS + SPEED_KEYS:
         resolved["train"].pop(key, None)
+    resolved["train"].update(RECORDING_KEYS)
     return resolved, resolved.pop("heldout")
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ from bench.ablate_record import REPO, digest, git_state, provenance, read_json, 
 from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
 from bench.ablate_variants import load_config
 from dspark.errors import UserError
+from dspark.train.checkpoint import latest_checkpoint
 
 KILL_ITSELF = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"  # as the OOM killer ends a process
 
@@ -375,6 +379,55 @@ def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
     # a scored run keeps its drafter, not its checkpoints
     assert (tiny_ablation / "default" / "x1_s0" / "drafter").is_dir()
     assert not (tiny_ablation / "default" / "x1_s0" / "checkpoints").exists()
+
+
+@pytest.mark.slow  # trains real runs: make test, not make test-fast
+def test_a_killed_run_continues_from_its_checkpoint_and_scores_as_an_unbroken_one(tiny_world, tmp_path, monkeypatch):
+    """`make ablate` killed mid-training (a lost session, the OOM killer) and run again: the run continues from its
+    newest checkpoint, not from step 0, and scores as the same run trained unbroken, under the same key (how
+    often a run saves does not enter it). Killed at each of three checkpoints in turn."""
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    steps, every, common = 100, 20, yaml.safe_load((REPO / "bench" / "ablate_tiny.yaml").read_text())["common"]
+    _, unbroken = tiny_variant_file(tiny_world, tmp_path / "unbroken", steps=steps)
+    assert ablate.main([*unbroken[:2], "only=baseline"]) == 0
+    saving = [*common, f"train.save_every={every}", "train.keep_last=1"]
+    _, args = tiny_variant_file(tiny_world, tmp_path / "runs", steps=steps, common=saving)
+    run_dir, cmd = (
+        tmp_path / "runs" / "baseline" / "x1_s0",
+        [sys.executable, "-m", "bench.ablate", *args[:2], "only=baseline"],
+    )
+    killed_at = []
+    for _ in range(3):
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 300
+        while (ckpt := latest_checkpoint(run_dir)) is None or (killed_at and int(ckpt.name[5:]) <= killed_at[-1]):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before a new checkpoint"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed_at.append(int(ckpt.name[5:]))
+        assert not (run_dir / ablate.RECORD_FILE).exists()
+    assert 0 < killed_at[0] < killed_at[1] < killed_at[2] < steps
+    assert ablate.main([*args[:2], "only=baseline"]) == 0
+    log = (run_dir.parent / "x1_s0.log").read_text()
+    # each run after a kill started from the checkpoint it found (the one seen, or one saved before the kill landed)
+    resumed = [(int(a), int(b)) for a, b in re.findall(r"resuming from \S+step_(\d+) at step (\d+)", log)]
+    assert [a for a, _ in resumed] == [b for _, b in resumed] and len(resumed) == 3
+    assert all(k <= a < k + 2 * every for (a, _), k in zip(resumed, killed_at))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("split") == "train"] == list(range(1, steps + 1))  # each step once
+    got, want = (
+        read_json(run_dir / ablate.RECORD_FILE),
+        read_json(tmp_path / "unbroken" / "baseline" / "x1_s0" / ablate.RECORD_FILE),
+    )
+    assert got["train_key"] == want["train_key"] and got["score_key"] == want["score_key"]
+    got_blocks, want_blocks = (
+        Blocks.load(d / "baseline" / "x1_s0" / ablate.BLOCKS_FILE) for d in (tmp_path / "runs", tmp_path / "unbroken")
+    )
+    np.testing.assert_array_equal(got_blocks.alpha, want_blocks.alpha)
+    assert not (run_dir / "checkpoints").exists()  # a scored run keeps its drafter, not its checkpoints
 
 
 @pytest.mark.slow  # trains real runs: make test, not make test-fast
