@@ -17,7 +17,8 @@ Its untrained draft (same seed, same init levers) is scored the same way. One ta
   `gain_against`: the same against the variant's own `against`;
 - `accept` / `alpha`: per-position cumulative (Π_{j≤k} α_j) and conditional (α_k) acceptance;
 - `tau_per_mtok`: (τ − the reference's untrained τ) per million training tokens;
-- `untrained_tau`, `wall_s` (the training subprocess), `train_time_s` (its steps only) and
+- `untrained_tau`, `wall_s` (the training subprocess; the last one of a run resumed after a kill),
+  `train_time_s` (its steps only, every process's) and
   `train_tokens_per_s` (training tokens per second of those steps: equal steps are not equal time).
 
 Every figure is {mean, se, seeds}, its SE clustered by held-out conversation (`bench.ablate_stats`).
@@ -178,12 +179,17 @@ def train_run(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path) ->
         resume = "auto" if same_training and any(run_dir.glob("checkpoints/*")) else "restart"
         for name in (RECORD_FILE, BLOCKS_FILE):
             (run_dir / name).unlink(missing_ok=True)
-        training = {"train_key": made["train_key"], "git": git_state(), "wall_s": 0.0}
+        if resume == "auto":  # the commit it started at stays its record's; each resume's commit is added
+            training = {**training, "resumed": [*training.get("resumed", []), git_state()], "wall_s": 0.0}
+        else:
+            training = {"train_key": made["train_key"], "git": git_state(), "wall_s": 0.0}
         write_figures(run_dir, Path(TRAINING_FILE).stem, training, stamp=False)
         training["wall_s"] = train(cfg, variant, budget, seed, run_dir, resume)
         write_figures(run_dir, Path(TRAINING_FILE).stem, training, stamp=False)
     record, blocks = score_run(cfg, variant, budget, seed, run_dir, made)
     record.update(trained=training["git"], wall_s=training["wall_s"])
+    if "resumed" in training:
+        record["resumed"] = training["resumed"]
     write_record(run_dir, record, blocks)
     if not cfg["keep_checkpoints"]:  # a scored run never resumes; its drafter stays
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

@@ -423,6 +423,7 @@ def test_a_killed_run_continues_from_its_checkpoint_and_scores_as_an_unbroken_on
         read_json(tmp_path / "unbroken" / "baseline" / "x1_s0" / ablate.RECORD_FILE),
     )
     assert got["train_key"] == want["train_key"] and got["score_key"] == want["score_key"]
+    assert len(got["resumed"]) == 3 and "resumed" not in want  # the commit of each resume, beside the first's
     got_blocks, want_blocks = (
         Blocks.load(d / "baseline" / "x1_s0" / ablate.BLOCKS_FILE) for d in (tmp_path / "runs", tmp_path / "unbroken")
     )
