@@ -43,6 +43,7 @@ to `<run>.<its train key>` (kept, never trained over). A scored run's checkpoint
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -60,7 +61,7 @@ from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import check_variants, load_config
 from dspark.entry import script_main
 from dspark.errors import UserError
-from dspark.lifetime import how_it_ended
+from dspark.lifetime import die_with_parent, how_it_ended
 from dspark.run_lock import in_use
 
 DEFAULT_CONFIG = Path(__file__).with_name("ablate.yaml")
@@ -224,6 +225,9 @@ def train(cfg: dict, variant: str, budget: int, seed: int, run_dir: Path, resume
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            # a killed make ablate takes its training along (it resumes from its checkpoint next time),
+            # rather than leaving it to train on, holding the run dir
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
         )
     if proc.returncode:
         oom = " (out of memory?)" if proc.returncode == -signal.SIGKILL else ""

@@ -1,7 +1,8 @@
 """Tie a process's life to its parent's: the one parent-death-signal helper of the project.
 
-Used by the vLLM server supervisor (extract/server.py) and by every training rank, so that
-killing a launcher (a scheduler's preemption, an OOM kill) never leaves orphans behind.
+Used by the vLLM server supervisor (extract/server.py), by every training rank and by `make ablate`'s
+training subprocess (bench/ablate.py), so that killing a launcher (a scheduler's preemption, an OOM kill)
+never leaves orphans behind.
 """
 
 from __future__ import annotations

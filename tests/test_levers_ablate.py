@@ -29,6 +29,7 @@ from bench.ablate_record import REPO, digest, git_state, provenance, read_json, 
 from bench.ablate_stats import Blocks, clustered_mean_se, combine_seeds, summarize
 from bench.ablate_variants import load_config
 from dspark.errors import UserError
+from dspark.run_lock import in_use
 from dspark.train.checkpoint import latest_checkpoint
 
 KILL_ITSELF = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"  # as the OOM killer ends a process
@@ -383,8 +384,8 @@ def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
 
 @pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_a_killed_run_continues_from_its_checkpoint_and_scores_as_an_unbroken_one(tiny_world, tmp_path, monkeypatch):
-    """`make ablate` killed mid-training (a lost session, the OOM killer) and run again: the run continues from its
-    newest checkpoint, not from step 0, and scores as the same run trained unbroken, under the same key (how
+    """`make ablate` killed mid-training (a lost session, the OOM killer) and run again: its training dies with it,
+    and the run continues from its newest checkpoint, not from step 0, and scores as the same run trained unbroken, under the same key (how
     often a run saves does not enter it). Killed at each of three checkpoints in turn."""
     monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
     steps, every, common = 100, 20, yaml.safe_load((REPO / "bench" / "ablate_tiny.yaml").read_text())["common"]
@@ -405,10 +406,13 @@ def test_a_killed_run_continues_from_its_checkpoint_and_scores_as_an_unbroken_on
         while (ckpt := latest_checkpoint(run_dir)) is None or (killed_at and int(ckpt.name[5:]) <= killed_at[-1]):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before a new checkpoint"
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)  # make ablate alone: its training must not train on, orphaned
         proc.wait()
         killed_at.append(int(ckpt.name[5:]))
-        assert not (run_dir / ablate.RECORD_FILE).exists()
+        while in_use(run_dir) is not None:
+            assert time.monotonic() < deadline, "the training outlived make ablate"
+            time.sleep(0.05)
+        assert not (run_dir / "drafter").exists() and not (run_dir / ablate.RECORD_FILE).exists()
     assert 0 < killed_at[0] < killed_at[1] < killed_at[2] < steps
     assert ablate.main([*args[:2], "only=baseline"]) == 0
     log = (run_dir.parent / "x1_s0.log").read_text()
