@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import write_figures
-from bench.ablate_record import REPO, check_name, git_state, provenance, read_json
+from bench.ablate_record import REPO, check_name, digest, git_state, provenance, read_json, weights_digest
 from bench.ablate_stats import Blocks, summarize
 from bench.ablate_variants import check_variants, load_config
 from dspark.entry import script_main
@@ -142,7 +142,11 @@ def stored(run_dir: Path, score_key: str) -> tuple[dict, Blocks] | None:
 
 
 def untrained_blocks(cfg: dict, variant: str, seed: int, run_dir: Path) -> Blocks:
-    """Score the draft a run of this variant and seed starts from (init levers included), untrained."""
+    """Score the draft a run of this variant and seed starts from (init levers included), untrained.
+
+    Variants that differ only in how they train (the loss, the LR, ...) start from the same draft: one
+    whose weights, verifier head, stores and held-out protocol equal those of another variant's scored
+    untrained draft under the same runs dir (`draft_key`) reuses its blocks instead of scoring again."""
     from dspark.config import to_dataclass
     from dspark.train.build import build_trainer, make_accelerator
     from dspark.train.config import TrainConfig
@@ -154,8 +158,23 @@ def untrained_blocks(cfg: dict, variant: str, seed: int, run_dir: Path) -> Block
         return found[1]
     trainer = build_trainer(full_cfg, make_accelerator(to_dataclass(TrainConfig, full_cfg["train"])))
     trainer.reporter.close()
+    key = digest(
+        {
+            "weights": weights_digest(trainer.raw_model, trainer.verifier),
+            "data": made["data"],
+            "heldout": made["heldout"],
+        }
+    )
+    record = {"variant": variant, "seed": seed, **made, "draft_key": key, "git": git_state()}
+    for other in sorted(run_dir.parent.parent.glob(f"*/{run_dir.name}")):
+        theirs = read_json(other / RECORD_FILE) if other != run_dir else None
+        found = stored(other, theirs["score_key"]) if theirs is not None and theirs.get("draft_key") == key else None
+        if found is not None:
+            print(f"{variant} seed {seed}: its untrained draft is {other.parent.name}'s, scored there", flush=True)
+            write_record(run_dir, {**record, "scored_as": str(other)}, found[1])
+            return found[1]
     blocks = score(trainer.raw_model, trainer.verifier, full_cfg)
-    write_record(run_dir, {"variant": variant, "seed": seed, **made, "git": git_state()}, blocks)
+    write_record(run_dir, record, blocks)
     return blocks
 
 

@@ -133,6 +133,18 @@ def provenance(full_cfg) -> dict:
     }
 
 
+def weights_digest(*modules) -> str:
+    """sha256 of every tensor (name, dtype, shape, bytes) of the `modules`' state dicts, in order."""
+    import torch
+
+    h = hashlib.sha256()
+    for module in modules:
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            h.update(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def read_json(path: Path) -> dict | None:
     """The JSON object at `path`; None when missing, torn or not an object (the result is redone)."""
     try:

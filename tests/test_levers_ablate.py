@@ -382,6 +382,30 @@ def test_a_table_records_what_made_it(tiny_world, tiny_ablation, monkeypatch):
     assert not (tiny_ablation / "default" / "x1_s0" / "checkpoints").exists()
 
 
+def test_an_untrained_draft_is_scored_once_for_the_variants_that_start_from_it(tiny_world, tmp_path, monkeypatch):
+    """A variant that changes only the training (anchors_all: the anchor sampling) starts from the baseline's
+    draft: its untrained score is the baseline's, not scored again; one that changes the draft (its init, its
+    seed) is scored."""
+    monkeypatch.setenv("ABLATE_ROOT", str(tiny_world))
+    _, args = tiny_variant_file(tiny_world, tmp_path / "runs")
+    cfg, root = load_config(tmp_path / "runs.yaml"), tmp_path / "runs"
+    first = ablate.untrained_blocks(cfg, "baseline", 0, root / "baseline" / "untrained_s0")
+
+    def scoring(*_):
+        raise AssertionError("scored")
+
+    monkeypatch.setattr(ablate, "score", scoring)
+    same = ablate.untrained_blocks(cfg, "anchors_all", 0, root / "anchors_all" / "untrained_s0")
+    np.testing.assert_array_equal(same.alpha, first.alpha)
+    np.testing.assert_array_equal(same.key, first.key)
+    record = read_json(root / "anchors_all" / "untrained_s0" / ablate.RECORD_FILE)
+    assert record["scored_as"] == str(root / "baseline" / "untrained_s0")
+    assert record["score_key"] != read_json(root / "baseline" / "untrained_s0" / ablate.RECORD_FILE)["score_key"]
+    for variant, seed in [("init_last_layers", 0), ("anchors_all", 1)]:
+        with pytest.raises(AssertionError, match="scored"):
+            ablate.untrained_blocks(cfg, variant, seed, root / variant / f"untrained_s{seed}")
+
+
 @pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_a_killed_run_continues_from_its_checkpoint_and_scores_as_an_unbroken_one(tiny_world, tmp_path, monkeypatch):
     """`make ablate` killed mid-training (a lost session, the OOM killer) and run again: its training dies with it,
