@@ -168,11 +168,11 @@ def untrained_blocks(cfg: dict, variant: str, seed: int, run_dir: Path) -> Block
     record = {"variant": variant, "seed": seed, **made, "draft_key": key, "git": git_state()}
     for other in sorted(run_dir.parent.parent.glob(f"*/{run_dir.name}")):
         theirs = read_json(other / RECORD_FILE) if other != run_dir else None
-        found = stored(other, theirs["score_key"]) if theirs is not None and theirs.get("draft_key") == key else None
-        if found is not None:
+        blocks = Blocks.load(other / BLOCKS_FILE) if theirs is not None and theirs.get("draft_key") == key else None
+        if blocks is not None:
             print(f"{variant} seed {seed}: its untrained draft is {other.parent.name}'s, scored there", flush=True)
-            write_record(run_dir, {**record, "scored_as": str(other)}, found[1])
-            return found[1]
+            write_record(run_dir, {**record, "scored_as": str(other)}, blocks)
+            return blocks
     blocks = score(trainer.raw_model, trainer.verifier, full_cfg)
     write_record(run_dir, record, blocks)
     return blocks
