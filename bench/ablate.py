@@ -395,23 +395,25 @@ def run_ablation(cfg: dict, out_dir: Path, only: list[str] | None = None) -> dic
     return write_figures(out_dir, "ablations", result)
 
 
+def _signed(stat: dict | None) -> str:
+    """`+mean ± se` of a gain, or `—` where there is none (the reference's own row, or a reference not run)."""
+    return "—" if stat is None else f"{stat['mean']:+.4f} ± {stat['se']:.4f}"
+
+
 def print_table(table: list[dict]) -> None:
     """Each row's τ, gains, speed and wall time, and its per-source figures, one line each."""
     for row in table:
-        none = {"mean": float("nan"), "se": float("nan")}
-        gain, against = row.get("gain", none), row.get("gain_against", none)
+        against = row.get("against", "-")
         print(
             f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
-            f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  "
-            f"vs {row.get('against', '-')} {against['mean']:+.4f} ± {against['se']:.4f}  "
+            f"gain {_signed(row.get('gain'))}  vs {against} {_signed(row.get('gain_against'))}  "
             f"{row['train_tokens_per_s']['mean']:.0f} tok/s  wall {row['wall_s']['mean']:.0f} s"
         )
         for source, part in row.get("by_source", {}).items():
-            gain, against = part.get("gain", none), part.get("gain_against", none)
             print(
                 f"{source:>26}: tau {part['tau']['mean']:.4f} ± {part['tau']['se']:.4f}  "
-                f"gain {gain['mean']:+.4f} ± {gain['se']:.4f}  vs {row.get('against', '-')} "
-                f"{against['mean']:+.4f} ± {against['se']:.4f}  ({part['heldout_conversations']} conversations)"
+                f"gain {_signed(part.get('gain'))}  vs {against} {_signed(part.get('gain_against'))}  "
+                f"({part['heldout_conversations']} conversations)"
             )
 
 

@@ -130,6 +130,23 @@ def test_table_errors_are_clustered_and_paired_against_the_named_reference():
         summarize(runs, {**done, ("b", 1, 1): blocks([0.3])}, untrained, reference="a", against={})
 
 
+def test_the_console_table_prints_a_dash_where_a_row_has_no_reference_to_gain_against(capsys):
+    # the reference "a" is not among the runs (make ablate only=b,c): no row has a gain
+    runs = [
+        {"variant": v, "budget": 1, "seed": 0, "steps": 10, "train_tokens": 2e6, "wall_s": 4.0, "train_time_s": 2.0}
+        for v in ("b", "c")
+    ]
+    conv = [0, 0, 1, 1]
+    done = {("b", 1, 0): blocks([0.5, 0.5, 0.3, 0.1], conv), ("c", 1, 0): blocks([0.6, 0.6, 0.4, 0.2], conv)}
+    untrained = {(v, 0): blocks([0.0, 0.2, 0.0, 0.0], conv) for v in "bc"}
+    table = summarize(runs, done, untrained, reference="a", against={"c": "b"})
+    ablate.print_table(table)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "nan" not in "\n".join(lines)
+    assert "gain —  vs - —" in lines[0]
+    assert "gain —  vs b +0.1000 ± 0.0000" in lines[1]
+
+
 def test_torn_results_read_as_missing(tmp_path):
     good = blocks([0.1, 0.2], [0, 1])
     good.save(tmp_path / "b.npz")
