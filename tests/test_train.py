@@ -323,6 +323,13 @@ def test_kill_loop_resumes_exactly_without_orphans_or_duplicate_rows(world, two_
         below = kill_when(torchrun(2, args), ready, whole_tree=whole_tree, delay_s=delay)
         assert below, what
         if what.startswith("during the first checkpoint"):
+            # On a loaded machine the write can finish between seeing it and the kill landing:
+            # that try missed its moment, so it starts over from nothing (a few tries at most).
+            for _ in range(4):
+                if writing_checkpoint(run_dir):
+                    break
+                shutil.rmtree(run_dir)
+                below = kill_when(torchrun(2, args), ready, whole_tree=whole_tree, delay_s=delay)
             assert writing_checkpoint(run_dir) and newest_checkpoint_step(run_dir) == 0
         if not whole_tree:  # the launcher alone: every rank dies with it (no orphan waits forever)
             _, alive = psutil.wait_procs(below, timeout=10)

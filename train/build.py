@@ -71,7 +71,7 @@ def open_store(url: str, field: str, target: Target) -> ShardStore:
     try:
         store = ShardStore.open(url)
     except FileNotFoundError as err:
-        raise MissingInput(f"train.{field}: no shard store at {url} (run `make extract` first): {err}") from err
+        raise MissingInput(f"train.{field}: {err}; run `make extract` first") from err
     target.check_store(store.attrs, f"train.{field}={url}")
     role = {"train_store": "train", "eval_store": "eval"}[field]
     if store.attrs.get("split", role) != role:
