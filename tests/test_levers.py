@@ -316,3 +316,51 @@ def test_train_on_prompt_puts_training_anchors_on_prompt_tokens_not_padding():
         label_pos = (out["target_pos"] + 1)[out["slot_mask"]]
         rows = torch.arange(2)[:, None, None].expand_as(out["slot_mask"])[out["slot_mask"]]
         assert allowed[rows, label_pos].all()  # no scored slot on padding (or on a prompt, unless asked)
+
+
+def test_a_detached_confidence_head_trains_itself_alone(verifier_dir):
+    """`loss.confidence_trains_draft: false` stops the confidence BCE's gradient at its head: the
+    draft's final states and the Markov table get none of it, the head the same as when it flows."""
+    from functools import partial
+
+    from dspark.config import LossConfig
+    from dspark.losses import LossInputs, dspark_loss
+
+    cfg = draft_config(
+        num_layers=1, block_size=BLOCK, markov_rank=8, confidence_head=True,
+        confidence_head_with_markov=True, causal_in_block=True, markov_embed_proj=False,
+    )  # fmt: skip
+    model = DSparkDraft(cfg, AutoConfig.from_pretrained(verifier_dir), [1, 2, 3], MASK_TOKEN_ID)
+    verifier = VerifierHead.from_pretrained(verifier_dir)
+    model.load_verifier(verifier)
+    g = torch.Generator().manual_seed(0)
+    n, width = 6, model.layer_config.hidden_size
+    states = torch.randn(n, BLOCK, width, generator=g)
+    prev = torch.randint(0, verifier.vocab_size, (n, BLOCK), generator=g)
+    target_hidden = 3 * torch.randn(n, BLOCK, width, generator=g)
+    labels = torch.randint(0, verifier.vocab_size, (n, BLOCK), generator=g)
+    slot_mask = torch.ones(n, BLOCK, dtype=torch.bool)
+    loss_cfg = LossConfig(
+        weights={"ce": 0.0, "tv": 0.0, "kl": 0.0}, confidence_weight=1.0, gamma=4.0, num_anchors=4,
+        chunk_size=8, anchor_sampling="uniform", hidden_weight=0.0, hidden_slots=None,
+        train_on_prompt=False, confidence_trains_draft=False,
+    )  # fmt: skip
+    grads = {}
+    for detached in (False, True):
+        model.zero_grad(set_to_none=True)
+        hidden = states.clone().requires_grad_()
+        heads_fn = partial(model.heads, confidence_detached=detached)
+        inputs = LossInputs(
+            heads_fn, verifier.logits, hidden, prev, target_hidden, labels, slot_mask,
+            with_confidence=True, d2t=model.d2t, target_norm_fn=verifier.norm,
+        )  # fmt: skip
+        dspark_loss(inputs, loss_cfg).loss.backward()
+        table = model.markov_head.markov_w1.weight.grad
+        head = [p.grad.clone() for p in model.confidence_head.parameters()]
+        grads[detached] = (hidden.grad, table, head)
+    flowing, detached = grads[False], grads[True]
+    assert flowing[0].abs().sum() > 0 and flowing[1].abs().sum() > 0
+    assert all(t is None or not t.any() for t in detached[:2])  # the logits' pass at weight 0 may leave zeros
+    assert all(p.abs().sum() > 0 for p in detached[2])
+    for a, b in zip(flowing[2], detached[2], strict=True):
+        torch.testing.assert_close(a, b)
