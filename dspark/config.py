@@ -190,8 +190,6 @@ class LossConfig(Checked):
     """Leading slots of each block the `hidden` term scores (null = all); later slots' targets depend on tokens the draft does not see."""
     train_on_prompt: bool
     """Training only: anchors and scored slots on every token (the prompts' too: their targets are the verifier's distributions there), not only the replies'."""
-    confidence_trains_draft: bool
-    """The confidence BCE's gradient reaches the draft's layers and its Markov embedding, as in the published recipe; false trains the confidence head alone, on detached inputs."""
 
     def __post_init__(self) -> None:
         # Imported here: the schemas load without torch, and only a training config has a loss.

@@ -355,13 +355,11 @@ class DSparkDraft(nn.Module):
         prev: torch.Tensor,
         with_confidence: bool = True,
         workspace: Workspace | None = None,
-        confidence_detached: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits [n, B, V_draft] and confidence logits [n, B] (None without that head or
         when not asked for) of hidden [n, B, H] with previous tokens prev [n, B]: one Markov
         W1 lookup serves both. With a workspace (outside autocast) the logits are written into
-        its reused memory (see dspark.workspace). With `confidence_detached` the confidence
-        logits' gradient stops at the head (`loss.confidence_trains_draft: false`)."""
+        its reused memory (see dspark.workspace)."""
         emb = None if self.markov_head is None else self.prev_embeddings(prev)
         features = None if emb is None else self.markov_head.features(emb, hidden).flatten(0, -2)  # [n·B, rank]
         w2 = None if emb is None else self.markov_head.markov_w2.weight
@@ -379,8 +377,6 @@ class DSparkDraft(nn.Module):
         logits = flat.view(*hidden.shape[:-1], flat.shape[-1])
         if not with_confidence or self.confidence_head is None:
             return logits, None
-        if confidence_detached:
-            hidden, emb = hidden.detach(), None if emb is None else emb.detach()
         return logits, self._confidence(hidden, emb)
 
     def draft_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:

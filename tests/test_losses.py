@@ -59,7 +59,6 @@ def make_cfg(
         hidden_weight=hidden_weight,
         hidden_slots=hidden_slots,
         train_on_prompt=False,
-        confidence_trains_draft=True,
     )
 
 

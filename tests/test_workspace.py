@@ -55,7 +55,6 @@ def loss_cfg(chunk_size: int) -> LossConfig:
         hidden_weight=0.0,
         hidden_slots=None,
         train_on_prompt=False,
-        confidence_trains_draft=True,
     )
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import torch
 from torch import nn
@@ -112,7 +110,7 @@ class DSparkTrainer(Trainer):
         pos = batch["target_pos"].reshape(b, a * k, 1).expand(-1, -1, batch["target_hidden"].shape[-1])
         target_hidden = batch["target_hidden"].gather(1, pos).view(b, a, k, -1)[valid]
         inputs = LossInputs(
-            heads_fn=partial(draft.heads, confidence_detached=not self.loss_cfg.confidence_trains_draft),
+            heads_fn=draft.heads,
             target_logits_fn=self.verifier.logits,
             hidden=hidden[valid],
             prev=draft.block_tokens(batch["token_ids"], batch["anchors"])[valid],
