@@ -53,8 +53,14 @@ def digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def git_state() -> dict:
-    """{commit, dirty} of the working tree (dirty: tracked or new files differ, results aside); commit None outside git.
+# What a result's record does not count as a dirty tree: the results themselves, and prose (no code reads a
+# `.md` file), so a result written while its docs or dev/LOG.md entry is being edited says clean.
+NOT_CODE = (":(exclude)bench/results", ":(exclude,glob)**/*.md")
+
+
+def git_state(repo: Path = REPO) -> dict:
+    """{commit, dirty} of the working tree (dirty: tracked or new files differ, `NOT_CODE` aside); commit None
+    outside git.
 
     `DSPARK_COMMIT` names the commit instead (dirty unknown), for a tree copied to another machine
     without its git folder or with a stale one.
@@ -63,10 +69,10 @@ def git_state() -> dict:
         return {"commit": os.environ["DSPARK_COMMIT"], "dirty": None}
     try:
         commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         status = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", ".", ":(exclude)bench/results"],
+            ["git", "-C", str(repo), "status", "--porcelain", "--", ".", *NOT_CODE],
             capture_output=True,
             text=True,
             check=True,

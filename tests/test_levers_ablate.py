@@ -699,6 +699,32 @@ def test_every_benchmark_json_records_the_commit_that_measured_it(tmp_path):
     assert json.loads(json.dumps(write_figures(tmp_path, "own", {"made": own})))["made"] == own
 
 
+def test_a_tree_is_dirty_for_code_not_for_results_or_prose(tmp_path):
+    """A record says dirty when code or config differs from the commit; edited docs and new results do not count."""
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "train.py").write_text("lr = 1\n")
+    (tmp_path / "docs" / "levers.md").write_text("# levers\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "start")
+    clean = git_state(tmp_path)
+    assert len(clean["commit"]) == 40 and clean["dirty"] is False
+    (tmp_path / "docs" / "levers.md").write_text("# levers\nan edit\n")
+    (tmp_path / "README.md").write_text("new prose\n")
+    (tmp_path / "bench" / "results" / "table.json").write_text("{}")
+    assert git_state(tmp_path) == clean
+    (tmp_path / "train.py").write_text("lr = 2\n")
+    assert git_state(tmp_path) == {**clean, "dirty": True}
+    git("checkout", "train.py")
+    (tmp_path / "conf.yaml").write_text("lr: 2\n")  # a new, untracked config file counts too
+    assert git_state(tmp_path) == {**clean, "dirty": True}
+
+
 @pytest.mark.slow  # reads the trained tiny runs: make test, not make test-fast
 def test_memorization_scores_a_run_on_its_own_training_conversations(tiny_world, tiny_ablation, monkeypatch):
     from bench import memorization
