@@ -17,6 +17,8 @@ Its untrained draft (same seed, same init levers) is scored the same way. One ta
   `gain_against`: the same against the variant's own `against`;
 - `accept` / `alpha`: per-position cumulative (Π_{j≤k} α_j) and conditional (α_k) acceptance;
 - `tau_per_mtok`: (τ − the reference's untrained τ) per million training tokens;
+- `trained_gain`: τ − the row's own untrained τ; `gain_ratio`: the reference's `trained_gain` over the
+  row's (on the `published` row: how many times the published recipe's gain the defaults gain);
 - `untrained_tau`, `wall_s` (the training subprocess; the last one of a run resumed after a kill),
   `train_time_s` (its steps only, every process's) and
   `train_tokens_per_s` (training tokens per second of those steps: equal steps are not equal time).
@@ -408,6 +410,7 @@ def print_table(table: list[dict]) -> None:
             f"{row['variant']:>24} x{row['budget']}: tau {row['tau']['mean']:.4f} ± {row['tau']['se']:.4f}  "
             f"gain {_signed(row.get('gain'))}  vs {against} {_signed(row.get('gain_against'))}  "
             f"{row['train_tokens_per_s']['mean']:.0f} tok/s  wall {row['wall_s']['mean']:.0f} s"
+            + (f"  gain ratio {ratio['mean']:.2f}x ± {ratio['se']:.2f}" if (ratio := row.get("gain_ratio")) else "")
         )
         for source, part in row.get("by_source", {}).items():
             print(

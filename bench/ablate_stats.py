@@ -102,6 +102,19 @@ def over_seeds(values: list[np.ndarray], clusters: np.ndarray) -> dict:
     return combine_seeds([s[0] for s in stats], [s[1] for s in stats])
 
 
+def ratio_over_seeds(num: list[np.ndarray], den: list[np.ndarray], clusters: np.ndarray) -> dict:
+    """{mean, se, seeds} of a ratio of means, per-block values, one array per seed, all on the same
+    blocks: per seed R = mean(num) / mean(den), its SE the delta method's (that of the linearized values
+    (num − R·den) / mean(den), clustered by conversation); over seeds combined as every figure here
+    (`combine_seeds`), so tables of one seed each merge into it exactly (`bench.ablate_merge`)."""
+    ratios, ses = [], []
+    for a, b in zip(num, den, strict=True):
+        ratio = float(a.mean() / b.mean())
+        ratios.append(ratio)
+        ses.append(clustered_mean_se((a - ratio * b) / b.mean(), clusters)[1])
+    return combine_seeds(ratios, ses)
+
+
 def per_position(blocks: list[Blocks], field: str) -> dict:
     """Per-slot mean and SE of `prefix` (cumulative) or `alpha` (conditional) over scored slots, combined over seeds."""
     width = blocks[0].mask.shape[1]
@@ -162,7 +175,9 @@ def summarize(
     `train_tokens_per_s` (training tokens over the steps' time);
     `blocks[(variant, budget, seed)]` and `untrained[(variant, seed)]`: `Blocks` on the same held-out blocks;
     `reference`: the variant every `gain` is paired against; `against[variant]`: the variant its own
-    decision is measured against (`gain_against`), where it names one. With `sources` (sample id ->
+    decision is measured against (`gain_against`), where it names one. `trained_gain`: τ − the row's own
+    untrained τ, paired; `gain_ratio` (rows other than the reference's, where it ran the same seeds): the
+    reference's `trained_gain` over this row's, per seed (`ratio_over_seeds`). With `sources` (sample id ->
     source) naming more than one source, each row adds `by_source`: τ and the gains per source, their
     SEs clustered by conversation within it.
     """
@@ -187,9 +202,14 @@ def summarize(
             "accept": per_position(mine, "prefix"),
             "alpha": per_position(mine, "alpha"),
         }
+        gained = [b.tau - untrained[variant, s].tau for b, s in zip(mine, seeds)]
+        row["trained_gain"] = over_seeds(gained, conversations)
         gain = paired_gain(mine, blocks, reference, budget, seeds)
         if gain is not None:
             row["gain"] = gain
+            if variant != reference and all((reference, s) in untrained for s in seeds):
+                theirs = [blocks[reference, budget, s].tau - untrained[reference, s].tau for s in seeds]
+                row["gain_ratio"] = ratio_over_seeds(theirs, gained, conversations)
         if variant in against:
             row["against"] = against[variant]
             gain = paired_gain(mine, blocks, against[variant], budget, seeds)

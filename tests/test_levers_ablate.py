@@ -126,8 +126,47 @@ def test_table_errors_are_clustered_and_paired_against_the_named_reference():
     assert b["tau_per_mtok"]["mean"] == pytest.approx(np.mean([0.25, 0.15, 0.15, 0.05, 0.15, 0.25, 0.1, 0.1]))
     assert a["accept"]["mean"] == pytest.approx([0.225]) and a["alpha"]["mean"] == pytest.approx([0.225])
     assert a["wall_s"] == {"mean": 12.0, "se": pytest.approx(2.0), "seeds": 2}  # sd √8 / √2
+    # each over its own untrained draft (τ 1, 1.2, 1, 1): a gains .15 and .2 a seed, b .3 and .3; the
+    # ratio a / b per seed (.5 and .6667), its SE that of the linearized (a − R·b) / 0.3 per block
+    gained_a = [np.array([0.2, 0.2, 0.1, 0.1]), np.array([0.4, 0.2, 0.2, 0.0])]
+    gained_b = [np.array([0.5, 0.3, 0.3, 0.1]), np.array([0.3, 0.5, 0.2, 0.2])]
+    assert a["trained_gain"]["mean"] == pytest.approx(0.175) and b["trained_gain"]["mean"] == pytest.approx(0.3)
+    ratios = [0.15 / 0.3, 0.2 / 0.3]
+    linear = [(ga - r * gb) / 0.3 for ga, gb, r in zip(gained_a, gained_b, ratios)]
+    seed_var = np.var(ratios, ddof=1) / 2
+    assert b["gain_ratio"]["mean"] == pytest.approx(np.mean(ratios))
+    assert b["gain_ratio"]["se"] == pytest.approx(math.sqrt(seed_var + np.mean([run_se(x) ** 2 for x in linear])))
+    assert "gain_ratio" not in a  # the reference's own row
+    assert c["gain_ratio"]["mean"] == pytest.approx(0.15 / 0.4) and c["gain_ratio"]["seeds"] == 1
     with pytest.raises(ValueError, match="different held-out blocks"):
         summarize(runs, {**done, ("b", 1, 1): blocks([0.3])}, untrained, reference="a", against={})
+
+
+def test_the_gain_ratio_se_matches_a_bootstrap_over_conversations():
+    """The delta-method SE of a ratio of two paired mean gains against an independent computation: a
+    bootstrap that resamples whole conversations. Conversations of 1 to 8 blocks share an effect, so the
+    SE clustered by conversation is the one that matches, and a block-level SE falls short of it."""
+    from bench.ablate_stats import ratio_over_seeds
+
+    rng = np.random.default_rng(7)
+    conversations = np.repeat(np.arange(120), rng.integers(1, 9, size=120))
+    effect = rng.normal(0, 0.1, size=120)[conversations]
+    den = 0.25 + 0.5 * effect + rng.normal(0, 0.15, size=conversations.size)
+    num = 0.5 + 3 * effect + 0.5 * (den - 0.25) + rng.normal(0, 0.2, size=conversations.size)
+    got = ratio_over_seeds([num], [den], conversations)
+    assert got["mean"] == pytest.approx(num.mean() / den.mean()) and got["seeds"] == 1
+
+    sums = np.stack([np.bincount(conversations, weights=w) for w in (num, den, np.ones_like(num))])
+    draws = rng.integers(0, 120, size=(4000, 120))
+    resampled = sums[:, draws].sum(-1)  # [3, draws]: Σ num, Σ den, blocks
+    bootstrap_sd = float(np.std(resampled[0] / resampled[1], ddof=1))
+    assert got["se"] == pytest.approx(bootstrap_sd, rel=0.1)
+    blockwise = ratio_over_seeds([num], [den], np.arange(conversations.size))["se"]
+    assert blockwise < 0.8 * got["se"]
+    # two seeds whose gains differ: the seed term adds to the held-out term
+    two = ratio_over_seeds([num, num + 0.1], [den, den], conversations)
+    assert two["mean"] == pytest.approx((num.mean() + 0.05) / den.mean()) and two["seeds"] == 2
+    assert two["se"] > got["se"]
 
 
 def test_the_console_table_prints_a_dash_where_a_row_has_no_reference_to_gain_against(capsys):
