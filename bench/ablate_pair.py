@@ -8,8 +8,12 @@ again; this pairs it from its stored blocks instead. Each RUN is a run dir of `m
 the same seed and budget and scored on the same blocks of the same stores under the same held-out
 protocol (else a UserError, nothing written). Figures as `make ablate`'s (`bench.ablate_stats`): the gain
 paired per seed, SE clustered by held-out conversation, seeds combined; per seed; and per held-out
-source with `bench_data` (`by_source`, as in a table's rows). `DIR/paired.json` records both arms' run
-records (commits, config hashes, data fingerprints) and the commit it was paired at.
+source with `bench_data` (`by_source`, as in a table's rows). Where every run's untrained draft is stored
+beside it (`untrained_s<seed>`, as `make ablate` keeps it, on the same blocks), each arm adds its
+`trained_gain` (τ over its own untrained draft, paired) and the pair adds `gain_ratio`: the new arm's
+trained gain over the old arm's (`ratio_over_seeds`; the table's `gain_ratio` with the arms swapped).
+`DIR/paired.json` records both arms' run records (commits, config hashes, data fingerprints) and the
+commit it was paired at.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from bench import split_args, write_figures
 from bench.ablate import BLOCKS_FILE, RECORD_FILE
 from bench.ablate_record import read_json
-from bench.ablate_stats import Blocks, by_source, over_seeds, paired_gain
+from bench.ablate_stats import Blocks, by_source, over_seeds, paired_gain, ratio_over_seeds
 from dspark.entry import script_main
 from dspark.errors import UserError
 
@@ -35,6 +39,12 @@ def read_run(path: Path) -> tuple[dict, Blocks]:
     if record is None or blocks is None:
         raise UserError(f"{path}: not a scored make ablate run ({RECORD_FILE} and {BLOCKS_FILE})")
     return record, blocks
+
+
+def untrained_of(run: Path, record: dict, blocks: Blocks) -> Blocks | None:
+    """The blocks of the untrained draft `make ablate` stored beside a run, when scored on the same blocks."""
+    found = Blocks.load(run.parent / f"untrained_s{record['seed']}" / BLOCKS_FILE)
+    return found if found is not None and np.array_equal(found.key, blocks.key) else None
 
 
 def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
@@ -58,6 +68,18 @@ def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
         "gain": paired_gain(a, theirs, "old", 0, seeds),
         "gain_per_seed": {str(s): paired_gain([x], theirs, "old", 0, [s]) for s, x in zip(seeds, a, strict=True)},
     }
+    untrained = [
+        [untrained_of(p, r, b) for p, (r, b) in zip(side, arm, strict=True)]
+        for side, arm in zip((new, old), arms, strict=True)
+    ]
+    if all(u is not None for side in untrained for u in side):
+        gained = [
+            [b.tau - u.tau for (_, b), u in zip(arm, side, strict=True)]
+            for arm, side in zip(arms, untrained, strict=True)
+        ]
+        for name, gains in zip(("new", "old"), gained, strict=True):
+            result[name]["trained_gain"] = over_seeds(gains, conversations)
+        result["gain_ratio"] = ratio_over_seeds(*gained, conversations)
     if sources:
         labels = np.array([sources.get(int(c), "unknown") for c in conversations], dtype=object)
         result["by_source"] = by_source(a, theirs, {"gain": "old"}, 0, seeds, labels)
@@ -78,7 +100,9 @@ def main(argv: list[str]) -> int:
     gain, taus = result["gain"], [result[k]["tau"]["mean"] for k in ("new", "old")]
     print(
         f"gain {gain['mean']:+.4f} ± {gain['se']:.4f} over {gain['seeds']} seed(s) ({taus[0]:.4f} against "
-        f"{taus[1]:.4f}): {Path(args['out']) / 'paired.json'}"
+        f"{taus[1]:.4f})"
+        + (f", gain ratio {ratio['mean']:.2f}x ± {ratio['se']:.2f}" if (ratio := result.get("gain_ratio")) else "")
+        + f": {Path(args['out']) / 'paired.json'}"
     )
     return 0
 

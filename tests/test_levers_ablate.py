@@ -573,7 +573,8 @@ def test_a_stored_run_reused_under_another_name_is_labelled_by_it(tiny_world, ti
 @pytest.mark.slow  # trains real runs: make test, not make test-fast
 def test_stored_runs_pair_as_the_table_pairs_them_and_only_alike(tiny_ablation, tmp_path):
     """`bench.ablate_pair`: two stored runs give the gain (and its clustered SE) the table gave the same
-    pair, and recomputed here by a loop over conversations; a pair of other seeds is refused."""
+    pair, and recomputed here by a loop over conversations, and the gain ratio over their untrained drafts;
+    a pair of other seeds is refused."""
     table = json.loads((tiny_ablation.parent / "runs_out" / "ablations.json").read_text())
     want = {r["variant"]: r for r in table["table"]}["default"]["gain_against"]
     new, old = tiny_ablation / "default" / "x1_s0", tiny_ablation / "baseline" / "x1_s0"
@@ -585,6 +586,24 @@ def test_stored_runs_pair_as_the_table_pairs_them_and_only_alike(tiny_ablation, 
     assert got["gain"]["se"] == pytest.approx(naive_clustered_se(diffs, a.key[:, 0].tolist()))
     assert [r["variant"] for r in got["new"]["runs"] + got["old"]["runs"]] == ["default", "baseline"]
     assert got["made"]["commit"] == git_state()["commit"]
+    # each arm's gain over its own untrained draft (kept beside it), and their ratio: by hand, and the
+    # table's `gain_ratio` of `default` (the reference's gain over its own) with the arms swapped
+    rows = {r["variant"]: r for r in table["table"]}
+    for arm, variant in (("new", "default"), ("old", "baseline")):
+        assert got[arm]["trained_gain"] == pytest.approx(rows[variant]["trained_gain"])
+    gains = [
+        Blocks.load(run / "ablate.npz").tau - Blocks.load(run.parent / "untrained_s0" / "ablate.npz").tau
+        for run in (new, old)
+    ]
+    assert got["gain_ratio"]["mean"] == pytest.approx(gains[0].mean() / gains[1].mean())
+    assert ablate_pair.main([f"new={old}", f"old={new}", f"out={tmp_path / 'swapped'}"]) == 0
+    swapped = json.loads((tmp_path / "swapped" / "paired.json").read_text())
+    assert swapped["gain_ratio"] == pytest.approx(rows["default"]["gain_ratio"])
+    # a run whose untrained draft is not beside it: the gain, no ratio
+    alone = tmp_path / "alone" / "x1_s0"
+    shutil.copytree(old, alone)
+    assert ablate_pair.main([f"new={new}", f"old={alone}", f"out={tmp_path / 'alone_out'}"]) == 0
+    assert "gain_ratio" not in json.loads((tmp_path / "alone_out" / "paired.json").read_text())
     other = tmp_path / "other_seed"
     shutil.copytree(old, other)
     record = json.loads((other / "ablate.json").read_text())
