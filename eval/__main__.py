@@ -55,6 +55,11 @@ def headline(report: dict) -> str:
             f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
             f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"])
         )
+        if c.get("served"):
+            lines.append(
+                f"confidence head as vLLM serves it: logit x {c['served']['slope']:.3f} "
+                f"{c['served']['intercept']:+.3f} folded in, ECE {c['served']['pooled']['ece']:.4f}"
+            )
         if c.get("budget"):
             lines.append(budget_headline(c["budget"]))
     if report.get("decode"):

@@ -22,12 +22,20 @@ reported beside each AUROC: the head's ranking is judged against it, not against
 STS fits one temperature per position, position 1 first: T_k minimizes the NLL of
 P_{k−1}·sigmoid(z_k / T_k) against y_k with T_1..T_{k−1} already fixed, because the
 product at position k can only be as good as the prefix it multiplies.
+
+vLLM serves neither: it reads sigmoid(w·x + b) of the drafter's one confidence head, shared by
+every position, as each slot's acceptance probability, and weighs the running product against
+its step costs as expected accepted tokens. The map it can be given is one slope and intercept
+for every position, folded into the head's weights (`fit_served_scaling`, `fold_into_head`):
+a·(w·x + b) + c. A temperature alone cannot move a head whose probabilities sit on the wrong side
+of 1/2 (it only pulls them toward 1/2); the intercept can.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +200,36 @@ def fit_sequential_temperatures(
     return temperatures
 
 
+def fit_served_scaling(conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np.ndarray) -> tuple[float, float]:
+    """(a, c), a > 0, minimizing the NLL of P_k = Π_{j≤k} sigmoid(a·z_j + c) against y_k pooled over
+    every valid slot (the `nll` of `confidence_quality`'s pooled figures): one map for all positions,
+    which keeps each position's ranking. (1, 0) where no slot is valid. [n, B] each."""
+    import torch
+
+    mask = np.asarray(slot_mask, bool)
+    if not mask.any():
+        return 1.0, 0.0
+    z = torch.as_tensor(np.asarray(conf_logits, np.float64))
+    valid = torch.as_tensor(mask)
+    label = torch.as_tensor(prefix_survival(alpha, mask))[valid]
+    params = torch.zeros(2, dtype=torch.float64, requires_grad=True)  # log a, c
+    opt = torch.optim.LBFGS(
+        [params], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15, line_search_fn="strong_wolfe"
+    )
+
+    def loss() -> torch.Tensor:
+        opt.zero_grad()
+        log_c = torch.nn.functional.logsigmoid(params[0].exp() * z + params[1]).masked_fill(~valid, 0.0)
+        pred = log_c.cumsum(1)[valid].exp().clamp(EPS, 1 - EPS)
+        value = -(label * pred.log() + (1 - label) * torch.log1p(-pred)).mean()
+        value.backward()
+        return value
+
+    opt.step(loss)
+    log_a, c = params.detach().tolist()
+    return math.exp(log_a), c
+
+
 def _truncated(keep: np.ndarray, label: np.ndarray) -> tuple[float, float]:
     """(τ, drafts sent) per block, mean over blocks, when slot k of a block is verified with weight
     `keep` [n, B] (a prefix: slot k counts only with every earlier one)."""
@@ -331,3 +369,32 @@ def load_calibration(path: str | Path) -> list[float]:
     if not isinstance(temps, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
         raise ValueError(f"{path}: field 'temperatures' must be a list of positive numbers, got {temps!r}")
     return [float(t) for t in temps]
+
+
+HEAD_WEIGHT, HEAD_BIAS = "confidence_head.proj.weight", "confidence_head.proj.bias"
+"""The confidence head's tensors in a drafter's `model.safetensors`: what vLLM's DSpark model loads."""
+
+
+def scaled_head(weight, bias, slope: float, intercept: float) -> tuple:
+    """The linear head (w, b) whose logit is a·(w·x + b) + c, in the tensors' own dtype."""
+    return (weight.double() * slope).to(weight.dtype), (bias.double() * slope + intercept).to(bias.dtype)
+
+
+def fold_into_head(weights_file: str | Path, slope: float, intercept: float) -> None:
+    """Rewrite the drafter's confidence head as a·(w·x + b) + c (the file replaced whole, atomically;
+    every other tensor as it was)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(weights_file)
+    tensors = load_file(path)
+    if HEAD_WEIGHT not in tensors:
+        raise ValueError(f"{path}: no {HEAD_WEIGHT}: the drafter has no confidence head to calibrate")
+    weight = tensors[HEAD_WEIGHT]
+    bias = tensors.get(HEAD_BIAS, torch.zeros(1, dtype=weight.dtype))
+    tensors[HEAD_WEIGHT], tensors[HEAD_BIAS] = scaled_head(weight, bias, slope, intercept)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, partial, metadata={"format": "pt"})
+    with partial.open("rb") as f:
+        os.fsync(f.fileno())
+    os.replace(partial, path)

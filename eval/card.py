@@ -246,7 +246,21 @@ def _calibration(cal: dict) -> list[str]:
             ],
             rows,
         ),
+        *(_served(cal) if cal.get("served") else []),
         *(_budget(cal["budget"]) if cal.get("budget") else []),
+    ]
+
+
+def _served(cal: dict) -> list[str]:
+    served = cal["served"]
+    return [
+        "",
+        "vLLM reads the head's sigmoid as each slot's acceptance probability, one head for every position, "
+        "and no temperatures: `make eval` folded one slope and intercept, fitted on the same samples as the "
+        f"temperatures, into the head (slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}; "
+        "`folds` in `calibration.json`). Pooled ECE of the head as served now, on the scored samples: "
+        f"{fmt(served['pooled']['ece'])} (raw {fmt(cal['before']['pooled']['ece'])}, "
+        f"STS {fmt(cal['after']['pooled']['ece'])}).",
     ]
 
 

@@ -55,7 +55,9 @@ class CalibrationConfig(Checked):
     """The verification budget's bound: the drafts a schedule spares the verifier are counted at the
     setting that keeps τ within this relative loss of verifying every slot (`calibration.verification_budget`)."""
     save: bool
-    """Write the fitted temperatures to `<drafter>/calibration.json`."""
+    """Fold the served map (one slope and intercept for every position, `calibration.fit_served_scaling`)
+    into the drafter's confidence head, the one vLLM serves, and write it with the fitted temperatures to
+    `<drafter>/calibration.json`; false leaves the drafter as it is."""
 
     def __post_init__(self) -> None:
         if not 0 < self.fit_fraction < 1:

@@ -4,6 +4,7 @@ report, card."""
 from __future__ import annotations
 
 import gc
+import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from dspark.eval.run_info import data_info, drafter_info, training_info
 from dspark.export import load_drafter
 from dspark.extract.config import ServerConfig
 from dspark.model import DSparkDraft
+from dspark.servable import WEIGHTS_FILE
 from dspark.store import ShardStore
 from dspark.targets import check_store_name, dataset_target, resolve_target
 from dspark.verifier import VerifierHead
@@ -108,6 +110,8 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
     fit_ids, scored_ids = split_samples(table.sample_id, cfg.fit_fraction, seed)
     fit, scored = table.select(np.isin(table.sample_id, fit_ids)), table.select(np.isin(table.sample_id, scored_ids))
     temps = cal.fit_sequential_temperatures(fit.conf_logits, fit.alpha, fit.slot_mask, cfg.t_min, cfg.t_max)
+    slope, intercept = cal.fit_served_scaling(fit.conf_logits, fit.alpha, fit.slot_mask)
+    served_logits = slope * np.asarray(scored.conf_logits, np.float64) + intercept
     return {
         "label": CALIBRATION_LABEL,
         "objective": "nll",
@@ -117,6 +121,12 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
         "scored_on_fit_samples": bool(np.array_equal(fit_ids, scored_ids)),
         "before": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, None, cfg.n_bins),
         "after": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, temps, cfg.n_bins),
+        # the one map vLLM serves, folded into the head by `save`
+        "served": {
+            "slope": slope,
+            "intercept": intercept,
+            **cal.confidence_quality(served_logits, scored.alpha, scored.slot_mask, None, cfg.n_bins),
+        },
         "budget": cal.verification_budget(
             (fit.conf_logits, fit.alpha, fit.slot_mask),
             (scored.conf_logits, scored.alpha, scored.slot_mask),
@@ -126,6 +136,44 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
             seed=seed,
         ),
     }
+
+
+def earlier_folds(path: Path) -> list:
+    """The maps an earlier `make eval` folded into this head (`calibration.json`'s `folds`; none when unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    folds = data.get("folds") if isinstance(data, dict) else None
+    return folds if isinstance(folds, list) else []
+
+
+def save_calibration(drafter_dir: Path, draft: DSparkDraft, calibration: dict) -> None:
+    """Fold the served map into the drafter's confidence head (its file, then the loaded draft, so the
+    decode and the online benchmark that follow serve it as vLLM will), then write `calibration.json`:
+    the STS temperatures and every map `make eval` has folded into this head, oldest first."""
+    served = {k: calibration["served"][k] for k in ("slope", "intercept")}
+    path = drafter_dir / CALIBRATION_FILE
+    folds = earlier_folds(path)
+    cal.fold_into_head(drafter_dir / WEIGHTS_FILE, served["slope"], served["intercept"])
+    proj = draft.confidence_head.proj
+    with torch.no_grad():
+        weight, bias = cal.scaled_head(proj.weight, proj.bias, served["slope"], served["intercept"])
+        proj.weight.copy_(weight)
+        proj.bias.copy_(bias)
+    cal.save_calibration(
+        path,
+        calibration["temperatures"],
+        {
+            "objective": "nll",
+            "label": CALIBRATION_LABEL,
+            "fit_samples": calibration["fit_samples"],
+            "ece_before": calibration["before"]["pooled"]["ece"],
+            "ece_after": calibration["after"]["pooled"]["ece"],
+            "ece_served": calibration["served"]["pooled"]["ece"],
+            "folds": [*folds, served],
+        },
+    )
 
 
 def offline_sections(
@@ -140,17 +188,7 @@ def offline_sections(
     offline = {**summarize(table, cfg.offline, read_sources(cfg.data_dir)), "heldout": asdict(heldout)}
     calibration = calibration_section(table, cfg.calibration, heldout.seed) if cfg.calibration.enabled else None
     if calibration is not None and cfg.calibration.save:
-        cal.save_calibration(
-            drafter_dir / CALIBRATION_FILE,
-            calibration["temperatures"],
-            {
-                "objective": "nll",
-                "label": CALIBRATION_LABEL,
-                "fit_samples": calibration["fit_samples"],
-                "ece_before": calibration["before"]["pooled"]["ece"],
-                "ece_after": calibration["after"]["pooled"]["ece"],
-            },
-        )
+        save_calibration(drafter_dir, draft, calibration)
     benchmarks = benchmark_section(drafter_dir, draft, verifier, target, cfg, heldout)
     del draft, verifier
     gc.collect()

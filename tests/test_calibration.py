@@ -125,6 +125,60 @@ def test_sts_is_sequential():
     assert temps[1:] == pytest.approx([1.0] * 3, rel=0.03)
 
 
+def test_the_served_map_recovers_a_slope_and_an_intercept_temperatures_cannot():
+    """A head whose logit is 2·z* + 3 (overconfident and shifted up: most probabilities above 1/2 where
+    the acceptance is not): the served map recovers a = 1/2, c = -3/2, a temperature alone cannot
+    bring the mean down, and no (a, c) on a grid around it scores a lower pooled NLL."""
+    z_true, _, mask = miscalibrated_case(sharpen=1.0, seed=5)
+    z_true = z_true - 1.5  # acceptance mostly under 1/2
+    alpha, head = cal.sigmoid(z_true), 2.0 * z_true + 3.0
+    slope, intercept = cal.fit_served_scaling(head, alpha, mask)
+    assert (slope, intercept) == pytest.approx((0.5, -1.5), abs=0.02)
+    label = cal.prefix_survival(alpha, mask)
+
+    def pooled_nll(a, c):
+        return cal.nll(cal.prefix_survival(cal.sigmoid(a * head + c), mask)[mask], label[mask])
+
+    best = pooled_nll(slope, intercept)
+    for a, c in itertools.product(slope * np.array([0.9, 0.97, 1.03, 1.1]), intercept + np.array([-0.1, 0, 0.1])):
+        assert pooled_nll(a, c) >= best - 1e-9
+    served = cal.confidence_quality(slope * head + intercept, alpha, mask, None, n_bins=10)
+    sts = cal.confidence_quality(head, alpha, mask, cal.fit_sequential_temperatures(head, alpha, mask, 0.05, 20.0), 10)
+    assert served["pooled"]["ece"] < 0.3 * sts["pooled"]["ece"]
+    assert cal.fit_served_scaling(head, alpha, np.zeros_like(mask)) == (1.0, 0.0)
+
+
+def test_folding_the_map_into_the_head_serves_it_and_leaves_the_rest(tmp_path):
+    """sigmoid of the folded head's logit is sigmoid(a·(w·x + b) + c) on any input; every other tensor,
+    and the file's metadata, stay as they were."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        cal.HEAD_WEIGHT: torch.randn(1, 6, generator=gen),
+        cal.HEAD_BIAS: torch.randn(1, generator=gen),
+        "markov_head.markov_w1.weight": torch.randn(5, 3, generator=gen),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    cal.fold_into_head(path, 0.4, -1.25)
+    got = load_file(path)
+    x = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+    want = 0.4 * (x @ tensors[cal.HEAD_WEIGHT].double().T + tensors[cal.HEAD_BIAS].double()) - 1.25
+    torch.testing.assert_close(x @ got[cal.HEAD_WEIGHT].double().T + got[cal.HEAD_BIAS].double(), want)
+    assert torch.equal(got["markov_head.markov_w1.weight"], tensors["markov_head.markov_w1.weight"])
+    assert got[cal.HEAD_WEIGHT].dtype == torch.float32
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert not list(tmp_path.glob("*.partial"))
+    del got[cal.HEAD_WEIGHT]
+    save_file(got, path)
+    with pytest.raises(ValueError, match="no confidence head"):
+        cal.fold_into_head(path, 1.0, 0.0)
+
+
 def test_calibration_file_roundtrip_and_errors(tmp_path):
     path = cal.save_calibration(tmp_path / "calibration.json", [1.5, 2.0], {"objective": "nll"})
     assert cal.load_calibration(path) == [1.5, 2.0]

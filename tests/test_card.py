@@ -114,6 +114,9 @@ def test_card_figures_match_their_report_fields(report_and_card):
     assert rows["eval.samples"] == [fmt(report["data"]["splits"]["eval"]["samples"])]
     assert rows["regeneration.temperature"] == [fmt(0.7)]
     assert f"fitted on {fmt(cal['fit_samples'])} held-out samples" in card
+    served = cal["served"]
+    assert f"slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}" in card
+    assert f"scored samples: {fmt(served['pooled']['ece'])} (raw {fmt(cal['before']['pooled']['ece'])}" in card
     assert "16 prompts, 256 greedy tokens each" in card
 
 

@@ -16,6 +16,7 @@ from eval_fixtures import (
     export_tiny_drafter,
     store_target,
 )
+from safetensors.torch import load_file
 
 from dspark.errors import UserError
 from dspark.eval.__main__ import headline, run
@@ -190,6 +191,7 @@ def test_calibration_split_is_disjoint():
 
 def test_stage_end_to_end(setup):
     cfg = compose_cfg(setup)
+    head = load_file(setup.drafter / "model.safetensors")
     report = run(cfg)
     out = setup.root / "eval"
     on_disk = json.loads((out / "report.json").read_text())
@@ -202,6 +204,19 @@ def test_stage_end_to_end(setup):
     cal = json.loads((setup.drafter / "calibration.json").read_text())
     assert cal["temperatures"] == pytest.approx(report["calibration"]["temperatures"])
     assert len(cal["temperatures"]) == 4 and all(t > 0 for t in cal["temperatures"])
+    # the served map, fitted on the fit half, is folded into the head vLLM loads, and recorded
+    served = report["calibration"]["served"]
+    assert cal["folds"] == [{"slope": served["slope"], "intercept": served["intercept"]}] and served["slope"] > 0
+    folded = load_file(setup.drafter / "model.safetensors")
+    w, b = (head[f"confidence_head.proj.{k}"].double() for k in ("weight", "bias"))
+    torch.testing.assert_close(
+        folded["confidence_head.proj.weight"].double(), served["slope"] * w, rtol=1e-6, atol=1e-7
+    )
+    torch.testing.assert_close(
+        folded["confidence_head.proj.bias"].double(), served["slope"] * b + served["intercept"], rtol=1e-6, atol=1e-6
+    )
+    assert all(torch.equal(folded[k], v) for k, v in head.items() if not k.startswith("confidence_head."))
+    assert len(served["per_position"]) == 4 and 0 <= served["pooled"]["ece"] <= 1
     assert report["calibration"]["fit_samples"] + report["calibration"]["scored_samples"] == 8
     budget = report["calibration"]["budget"]
     for name in ("fixed", "confidence", "oracle"):  # a setting never sends more than every slot
