@@ -71,6 +71,8 @@ def main(argv: list[str]) -> int:
     budget = figures["calibration"]["budget"]
     print(f"tau {figures['offline_tau']:.4f}")
     print("AUROC before STS:", [round(p["auroc"], 3) for p in figures["calibration"]["before"]["per_position"]])
+    pooled = {k: figures["calibration"][k]["pooled"]["ece"] for k in ("before", "after", "served")}
+    print("pooled ECE raw {before:.4f}, STS {after:.4f}, as served {served:.4f}".format(**pooled))
     for name in ("fixed", "confidence", "oracle"):
         print(f"{name:>10} saves {budget[name]['saved']:.1%} +- {budget[name].get('saved_se', 0):.1%}")
     return 0
