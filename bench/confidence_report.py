@@ -75,6 +75,8 @@ def main(argv: list[str]) -> int:
     print("pooled ECE raw {before:.4f}, STS {after:.4f}, as served {served:.4f}".format(**pooled))
     for name in ("fixed", "confidence", "oracle"):
         print(f"{name:>10} saves {budget[name]['saved']:.1%} +- {budget[name].get('saved_se', 0):.1%}")
+    served = figures["calibration"]["served"]["budget"]["confidence"]
+    print(f"as served saves {served['saved']:.1%} +- {served['saved_se']:.1%} (tau loss {served['tau_loss']:.2%})")
     return 0
 
 

@@ -260,7 +260,13 @@ def _served(cal: dict) -> list[str]:
         f"temperatures, into the head (slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}; "
         "`folds` in `calibration.json`). Pooled ECE of the head as served now, on the scored samples: "
         f"{fmt(served['pooled']['ece'])} (raw {fmt(cal['before']['pooled']['ece'])}, "
-        f"STS {fmt(cal['after']['pooled']['ece'])}).",
+        f"STS {fmt(cal['after']['pooled']['ece'])})."
+        + (
+            f" Scheduled on as served, it spares {fmt(served['budget']['confidence']['saved'])} of the drafts "
+            f"at the bound below (after STS: {fmt(cal['budget']['confidence']['saved'])})."
+            if served.get("budget") and cal.get("budget")
+            else ""
+        ),
     ]
 
 

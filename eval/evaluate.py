@@ -111,7 +111,15 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
     fit, scored = table.select(np.isin(table.sample_id, fit_ids)), table.select(np.isin(table.sample_id, scored_ids))
     temps = cal.fit_sequential_temperatures(fit.conf_logits, fit.alpha, fit.slot_mask, cfg.t_min, cfg.t_max)
     slope, intercept = cal.fit_served_scaling(fit.conf_logits, fit.alpha, fit.slot_mask)
-    served_logits = slope * np.asarray(scored.conf_logits, np.float64) + intercept
+
+    def served(split: BlockTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return slope * np.asarray(split.conf_logits, np.float64) + intercept, split.alpha, split.slot_mask
+
+    def budget(fit_split: tuple, scored_split: tuple, temperatures: list[float] | None) -> dict:
+        return cal.verification_budget(
+            fit_split, scored_split, temperatures, cfg.max_tau_loss, scored_conversations=scored.sample_id, seed=seed
+        )
+
     return {
         "label": CALIBRATION_LABEL,
         "objective": "nll",
@@ -121,19 +129,15 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
         "scored_on_fit_samples": bool(np.array_equal(fit_ids, scored_ids)),
         "before": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, None, cfg.n_bins),
         "after": cal.confidence_quality(scored.conf_logits, scored.alpha, scored.slot_mask, temps, cfg.n_bins),
-        # the one map vLLM serves, folded into the head by `save`
+        # the one map vLLM serves, folded into the head by `save`, and what scheduling on it spares
         "served": {
             "slope": slope,
             "intercept": intercept,
-            **cal.confidence_quality(served_logits, scored.alpha, scored.slot_mask, None, cfg.n_bins),
+            **cal.confidence_quality(*served(scored), None, cfg.n_bins),
+            "budget": budget(served(fit), served(scored), None),
         },
-        "budget": cal.verification_budget(
-            (fit.conf_logits, fit.alpha, fit.slot_mask),
-            (scored.conf_logits, scored.alpha, scored.slot_mask),
-            temps,
-            cfg.max_tau_loss,
-            scored_conversations=scored.sample_id,
-            seed=seed,
+        "budget": budget(
+            (fit.conf_logits, fit.alpha, fit.slot_mask), (scored.conf_logits, scored.alpha, scored.slot_mask), temps
         ),
     }
 

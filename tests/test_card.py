@@ -117,6 +117,7 @@ def test_card_figures_match_their_report_fields(report_and_card):
     served = cal["served"]
     assert f"slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}" in card
     assert f"scored samples: {fmt(served['pooled']['ece'])} (raw {fmt(cal['before']['pooled']['ece'])}" in card
+    assert f"as served, it spares {fmt(served['budget']['confidence']['saved'])} of the drafts" in card
     assert "16 prompts, 256 greedy tokens each" in card
 
 
