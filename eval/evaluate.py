@@ -33,6 +33,7 @@ from dspark.extract.config import ServerConfig
 from dspark.model import DSparkDraft
 from dspark.servable import WEIGHTS_FILE
 from dspark.store import ShardStore
+from dspark.target_dirs import file_sha256
 from dspark.targets import check_store_name, dataset_target, resolve_target
 from dspark.verifier import VerifierHead
 
@@ -142,24 +143,30 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
     }
 
 
-def earlier_folds(path: Path) -> list:
-    """The maps an earlier `make eval` folded into this head (`calibration.json`'s `folds`; none when unreadable)."""
+def earlier_folds(path: Path, weights: Path) -> list:
+    """The maps an earlier `make eval` folded into this head: `calibration.json`'s `folds` where it was
+    written for these very weights (`head_sha256`), none otherwise (no record, an unreadable one, a
+    drafter exported again since, or a fold whose record a kill cut off)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    folds = data.get("folds") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("head_sha256") != file_sha256(weights):
+        return []
+    folds = data.get("folds")
     return folds if isinstance(folds, list) else []
 
 
 def save_calibration(drafter_dir: Path, draft: DSparkDraft, calibration: dict) -> None:
     """Fold the served map into the drafter's confidence head (its file, then the loaded draft, so the
     decode and the online benchmark that follow serve it as vLLM will), then write `calibration.json`:
-    the STS temperatures and every map `make eval` has folded into this head, oldest first."""
+    the STS temperatures, every map `make eval` has folded into this head, oldest first, and the
+    weights' sha256 they lead to."""
     served = {k: calibration["served"][k] for k in ("slope", "intercept")}
     path = drafter_dir / CALIBRATION_FILE
-    folds = earlier_folds(path)
-    cal.fold_into_head(drafter_dir / WEIGHTS_FILE, served["slope"], served["intercept"])
+    weights = drafter_dir / WEIGHTS_FILE
+    folds = earlier_folds(path, weights)
+    cal.fold_into_head(weights, served["slope"], served["intercept"])
     proj = draft.confidence_head.proj
     with torch.no_grad():
         weight, bias = cal.scaled_head(proj.weight, proj.bias, served["slope"], served["intercept"])
@@ -176,6 +183,7 @@ def save_calibration(drafter_dir: Path, draft: DSparkDraft, calibration: dict) -
             "ece_after": calibration["after"]["pooled"]["ece"],
             "ece_served": calibration["served"]["pooled"]["ece"],
             "folds": [*folds, served],
+            "head_sha256": file_sha256(weights),
         },
     )
 

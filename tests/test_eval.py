@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 
 from dspark.errors import UserError
 from dspark.eval.__main__ import headline, run
-from dspark.eval.evaluate import calibration_section, load_checked, split_samples
+from dspark.eval.evaluate import calibration_section, load_checked, save_calibration, split_samples
 from dspark.eval.offline import (
     acceptance_summary,
     bucket_labels,
@@ -29,6 +30,7 @@ from dspark.eval.offline import (
     open_heldout_store,
     summarize,
 )
+from dspark.export import load_drafter
 from dspark.store import StoreWriter, bits_to_tensor
 
 
@@ -237,6 +239,47 @@ def test_stage_end_to_end(setup):
 # ------------------------------------------------------------------------------------
 # bad input
 # ------------------------------------------------------------------------------------
+
+
+def test_each_fold_is_recorded_for_the_weights_it_made(setup, tmp_path):
+    """A second `make eval` folds its map over the first and both are recorded; weights exported again
+    (or folded with no record left, by a kill) start the record afresh. The loaded draft serves what
+    the file holds."""
+    drafter = tmp_path / "drafter"
+    shutil.copytree(setup.drafter, drafter)
+    (drafter / "calibration.json").unlink(missing_ok=True)  # as exported: no make eval yet
+    exported = (drafter / "model.safetensors").read_bytes()
+    trained = load_file(drafter / "model.safetensors")
+    draft = load_drafter(drafter)
+
+    def fold(slope, intercept):
+        calibration = {
+            "served": {"slope": slope, "intercept": intercept, "pooled": {"ece": 0.1}},
+            "temperatures": [1.0] * 4,
+            "fit_samples": 4,
+            "before": {"pooled": {"ece": 0.2}},
+            "after": {"pooled": {"ece": 0.15}},
+        }
+        save_calibration(drafter, draft, calibration)
+        record = json.loads((drafter / "calibration.json").read_text())
+        head = load_file(drafter / "model.safetensors")
+        for k in ("weight", "bias"):
+            torch.testing.assert_close(
+                getattr(draft.confidence_head.proj, k).detach(), head[f"confidence_head.proj.{k}"]
+            )
+        return record, head
+
+    w, b = (trained[f"confidence_head.proj.{k}"].double() for k in ("weight", "bias"))
+    record, _ = fold(0.5, -1.0)
+    assert record["folds"] == [{"slope": 0.5, "intercept": -1.0}]
+    record, head = fold(2.0, 0.5)
+    assert record["folds"] == [{"slope": 0.5, "intercept": -1.0}, {"slope": 2.0, "intercept": 0.5}]
+    torch.testing.assert_close(head["confidence_head.proj.weight"].double(), w)
+    torch.testing.assert_close(head["confidence_head.proj.bias"].double(), 2.0 * (0.5 * b - 1.0) + 0.5)
+    (drafter / "model.safetensors").write_bytes(exported)  # exported again
+    draft = load_drafter(drafter)
+    record, _ = fold(0.8, 0.1)
+    assert record["folds"] == [{"slope": 0.8, "intercept": 0.1}]
 
 
 def test_drafter_for_another_verifier(setup, tmp_path):
