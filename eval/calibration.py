@@ -382,19 +382,22 @@ def scaled_head(weight, bias, slope: float, intercept: float) -> tuple:
 
 def fold_into_head(weights_file: str | Path, slope: float, intercept: float) -> None:
     """Rewrite the drafter's confidence head as a·(w·x + b) + c (the file replaced whole, atomically;
-    every other tensor as it was)."""
+    every other tensor and the file's metadata as they were)."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     path = Path(weights_file)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
     tensors = load_file(path)
     if HEAD_WEIGHT not in tensors:
         raise ValueError(f"{path}: no {HEAD_WEIGHT}: the drafter has no confidence head to calibrate")
     weight = tensors[HEAD_WEIGHT]
     bias = tensors.get(HEAD_BIAS, torch.zeros(1, dtype=weight.dtype))
     tensors[HEAD_WEIGHT], tensors[HEAD_BIAS] = scaled_head(weight, bias, slope, intercept)
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, partial, metadata={"format": "pt"})
-    with partial.open("rb") as f:
+    tmp = path.with_name(f".{path.name}.tmp")  # hidden, as the project's other atomic writes: never loaded
+    save_file(tensors, tmp, metadata=metadata)
+    with tmp.open("rb") as f:
         os.fsync(f.fileno())
-    os.replace(partial, path)
+    os.replace(tmp, path)

@@ -219,8 +219,7 @@ def test_stage_end_to_end(setup):
     )
     assert all(torch.equal(folded[k], v) for k, v in head.items() if not k.startswith("confidence_head."))
     assert len(served["per_position"]) == 4 and 0 <= served["pooled"]["ece"] <= 1
-    # the budget of the head as served, beside the STS one's
-    # every slot is every slot, whatever the head
+    # the budget of the head as served, beside the STS one's: every slot is every slot, whatever the head
     assert served["budget"]["all_slots"] == report["calibration"]["budget"]["all_slots"]
     assert 0.0 <= served["budget"]["confidence"]["saved"] <= 1.0 and served["budget"]["confidence"]["saved_se"] >= 0
     assert report["calibration"]["fit_samples"] + report["calibration"]["scored_samples"] == 8
