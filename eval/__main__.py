@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
-from dspark.eval.card import benchmark_names, budget_headline
+from dspark.eval.card import benchmark_names, budget_headline, refit_phrase
 from dspark.eval.config import EvalConfig
 from dspark.eval.decode import headline as decode_headline
 from dspark.eval.evaluate import evaluate_drafter
@@ -55,13 +55,17 @@ def headline(report: dict) -> str:
             f"confidence ECE {c['before']['pooled']['ece']:.4f} -> {c['after']['pooled']['ece']:.4f} "
             f"with STS temperatures " + " ".join(f"{t:.3f}" for t in c["temperatures"])
         )
-        if c.get("served"):
+        served = c.get("served")
+        if served:
             lines.append(
-                f"confidence head as vLLM serves it: logit x {c['served']['slope']:.3f} "
-                f"{c['served']['intercept']:+.3f} folded in, ECE {c['served']['pooled']['ece']:.4f}"
+                f"confidence head as vLLM serves it: logit x {served['slope']:.3f} {served['intercept']:+.3f}"
+                f"{refit_phrase(served)} folded in, ECE {served['pooled']['ece']:.4f}, AUROC per position "
+                + " ".join(f"{p['auroc']:.3f}" for p in served["per_position"])
             )
-        if c.get("budget"):
-            lines.append(budget_headline(c["budget"]))
+        # the budget of the head vLLM schedules on: as served where the report has it
+        budget = (served or {}).get("budget") or c.get("budget")
+        if budget:
+            lines.append(budget_headline(budget))
     if report.get("decode"):
         lines.append("speculative decoding (transformers):\n" + decode_headline(report["decode"]))
     for r in (report.get("online") or {}).get("runs", []):

@@ -1,0 +1,123 @@
+"""The confidence head refitted on held-out conversations against the plain served map, paired.
+
+`make eval` folds one slope and intercept, fitted on half of the held-out conversations, into the
+head vLLM serves (`eval.calibration.fit_served_scaling`). This asks what a refit of the whole head
+on the same half buys: `eval.calibration.refit_served_head` keeps the trained head's logit, rescaled,
+and adds a ridge-penalized linear correction on the features the head reads (its strength, or none,
+cross-validated over the fit half's conversations). Both maps are scored on the other half, with
+the per-position AUROC, the pooled ECE and NLL, and the drafts the verification budget spares, each
+difference paired and its SE a bootstrap over the scored conversations.
+
+    python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bench import write_figures
+from bench.ablate_record import file_fingerprint, store_fingerprint
+from dspark.entry import script_main
+from dspark.eval import calibration as cal
+
+ROUNDS = 500  # conversation resamples behind each paired SE
+
+
+def _scores(logits: np.ndarray, alpha: np.ndarray, mask: np.ndarray, kept: np.ndarray, n_bins: int) -> np.ndarray:
+    """[AUROC per position..., pooled ECE, pooled NLL, drafts saved] of one head on some blocks."""
+    pred = cal.prefix_survival(cal.sigmoid(logits), mask)
+    label = cal.prefix_survival(alpha, mask)
+    aurocs = [cal.auroc(pred[mask[:, k], k], label[mask[:, k], k]) for k in range(mask.shape[1])]
+    saved = 1.0 - kept.sum() / max(mask.sum(), 1)
+    return np.array([*aurocs, cal.ece(pred[mask], label[mask], n_bins), cal.nll(pred[mask], label[mask]), saved])
+
+
+def paired(heads: dict, alpha, mask, conversations, n_bins: int, seed: int) -> dict:
+    """Each head's scores on the scored blocks and the last head's difference from the first, with
+    bootstrap SEs over whole conversations. `heads`: name -> (logits [n, B], verified slots [n, B])."""
+    names = [f"auroc_{k + 1}" for k in range(mask.shape[1])] + ["ece", "nll", "saved"]
+    point = {h: _scores(lg, alpha, mask, kept, n_bins) for h, (lg, kept) in heads.items()}
+    ids, inverse = np.unique(conversations, return_inverse=True)
+    members = [np.flatnonzero(inverse == i) for i in range(ids.size)]
+    rng = np.random.default_rng(seed)
+    draws = {h: [] for h in heads}
+    for _ in range(ROUNDS):
+        idx = np.concatenate([members[i] for i in rng.integers(0, ids.size, ids.size)])
+        for h, (lg, kept) in heads.items():
+            draws[h].append(_scores(lg[idx], alpha[idx], mask[idx], kept[idx], n_bins))
+    first, last = list(heads)
+    diff = np.array(draws[last]) - np.array(draws[first])
+    out = {h: {n: float(v) for n, v in zip(names, point[h], strict=True)} for h in heads}
+    out[f"{last}_minus_{first}"] = {
+        n: {"value": float(point[last][i] - point[first][i]), "se": float(diff[:, i].std(ddof=1))}
+        for i, n in enumerate(names)
+    }
+    return out
+
+
+def main(argv: list[str]) -> int:
+    from bench import lever_data
+    from bench.confidence_probe import capture
+    from dspark.eval.evaluate import split_samples
+
+    args, record, overrides = lever_data.report_args(
+        argv, "python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]"
+    )
+    features, table, ecfg, heldout, _ = capture(args["drafter"], overrides)
+    x = features["both"].double().numpy()
+    fit_ids, _ = split_samples(table.sample_id, ecfg.calibration.fit_fraction, heldout.seed)
+    fit = np.isin(table.sample_id, fit_ids)
+    scored = ~fit
+    z, alpha, mask = np.asarray(table.conf_logits, np.float64), table.alpha, np.asarray(table.slot_mask, bool)
+    slope, intercept = cal.fit_served_scaling(z[fit], alpha[fit], mask[fit])
+    refit = cal.refit_served_head(z[fit], alpha[fit], mask[fit], x[fit], table.sample_id[fit], heldout.seed)
+    logits = {"served": slope * z + intercept, "refit": cal.head_logits(z, x, refit)}
+    heads, budgets = {}, {}
+    for name, lg in logits.items():
+        budget = cal.verification_budget(
+            (lg[fit], alpha[fit], mask[fit]),
+            (lg[scored], alpha[scored], mask[scored]),
+            None,
+            ecfg.calibration.max_tau_loss,
+            scored_conversations=table.sample_id[scored],
+            seed=heldout.seed,
+        )
+        budgets[name] = budget
+        pred = cal.prefix_survival(cal.sigmoid(lg[scored]), mask[scored])
+        heads[name] = (lg[scored], (mask[scored] & (pred >= budget["confidence"]["setting"])).astype(float))
+    store = record["stores"]["eval"]["path"]
+    figures = {
+        "drafter": args["drafter"],
+        "drafter_model_safetensors_sha256": file_fingerprint(f"{args['drafter']}/model.safetensors"),
+        "eval_store": store,
+        "eval_store_fingerprint": store_fingerprint(store),
+        "fit_conversations": int(fit_ids.size),
+        "scored_conversations": int(np.unique(table.sample_id[scored]).size),
+        "served_map": {"slope": slope, "intercept": intercept},
+        "refit": {
+            "l2": refit["l2"],
+            "cv_nll": refit["cv_nll"],
+            "slope": refit["slope"],
+            "intercept": refit["intercept"],
+            "weight_delta_norm": float(np.linalg.norm(refit["weight_delta"])),
+        },
+        "scored": paired(
+            heads, alpha[scored], mask[scored], table.sample_id[scored], ecfg.calibration.n_bins, heldout.seed
+        ),
+        "budget": budgets,
+    }
+    out = Path(args["out"])
+    write_figures(out.parent, out.stem, figures)
+    diff = figures["scored"]["refit_minus_served"]
+    print(f"refit l2 {refit['l2']} (cv nll {refit['cv_nll']})")
+    for name in ("served", "refit"):
+        s = figures["scored"][name]
+        print(f"{name:>7}: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+    print("refit - served: " + ", ".join(f"{k} {v['value']:+.4f} ± {v['se']:.4f}" for k, v in diff.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    script_main(main)
