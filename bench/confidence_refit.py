@@ -13,12 +13,13 @@ difference paired and its SE a bootstrap over the scored conversations.
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import numpy as np
 
 from bench import write_figures
-from bench.ablate_record import file_fingerprint, store_fingerprint
+from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
 from dspark.eval import calibration as cal
 
@@ -57,15 +58,13 @@ def paired(heads: dict, alpha, mask, conversations, n_bins: int, seed: int) -> d
     return out
 
 
-def main(argv: list[str]) -> int:
-    from bench import lever_data
+def refit_figures(drafter: str, overrides: list[str]) -> dict:
+    """The plain served map and the refit of `drafter`'s head, fitted on the fit half of `python -m eval`'s
+    held-out store (under `overrides`) and scored on the other half, paired; with their provenance."""
     from bench.confidence_probe import capture
     from dspark.eval.evaluate import split_samples
 
-    args, record, overrides = lever_data.report_args(
-        argv, "python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]"
-    )
-    features, table, ecfg, heldout, _ = capture(args["drafter"], overrides)
+    features, table, ecfg, heldout, _ = capture(drafter, overrides)
     x = features["both"].double().numpy()
     fit_ids, _ = split_samples(table.sample_id, ecfg.calibration.fit_fraction, heldout.seed)
     fit = np.isin(table.sample_id, fit_ids)
@@ -87,10 +86,11 @@ def main(argv: list[str]) -> int:
         budgets[name] = budget
         pred = cal.prefix_survival(cal.sigmoid(lg[scored]), mask[scored])
         heads[name] = (lg[scored], (mask[scored] & (pred >= budget["confidence"]["setting"])).astype(float))
-    store = record["stores"]["eval"]["path"]
-    figures = {
-        "drafter": args["drafter"],
-        "drafter_model_safetensors_sha256": file_fingerprint(f"{args['drafter']}/model.safetensors"),
+    store = ecfg.store
+    return {
+        "made": {**git_state(), "date": datetime.date.today().isoformat()},
+        "drafter": drafter,
+        "drafter_model_safetensors_sha256": file_fingerprint(f"{drafter}/model.safetensors"),
         "eval_store": store,
         "eval_store_fingerprint": store_fingerprint(store),
         "fit_conversations": int(fit_ids.size),
@@ -108,13 +108,22 @@ def main(argv: list[str]) -> int:
         ),
         "budget": budgets,
     }
+
+
+def main(argv: list[str]) -> int:
+    from bench import lever_data
+
+    args, _, overrides = lever_data.report_args(
+        argv, "python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]"
+    )
+    figures = refit_figures(args["drafter"], overrides)
     out = Path(args["out"])
     write_figures(out.parent, out.stem, figures)
-    diff = figures["scored"]["refit_minus_served"]
+    refit = figures["refit"]
     print(f"refit l2 {refit['l2']} (cv nll {refit['cv_nll']})")
     for name in ("served", "refit"):
-        s = figures["scored"][name]
-        print(f"{name:>7}: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+        print(f"{name:>7}: " + ", ".join(f"{k} {v:.4f}" for k, v in figures["scored"][name].items()))
+    diff = figures["scored"]["refit_minus_served"]
     print("refit - served: " + ", ".join(f"{k} {v['value']:+.4f} ± {v['se']:.4f}" for k, v in diff.items()))
     return 0
 

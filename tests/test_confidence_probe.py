@@ -111,3 +111,34 @@ def test_bench_scripts_split_their_own_arguments_from_the_overrides():
         split_args(
             ["drafter=d", "heldout.seed=1"], {"drafter", "out"}, {"drafter", "out"}, "python -m x drafter=DIR out=FILE"
         )
+
+
+def test_confidence_refit_pairs_the_two_heads_on_the_scored_conversations(tmp_path):
+    """`bench.confidence_refit` on a real drafter: the tiny store's 4 fit conversations are too few to
+    cross-validate, so the refit is the plain map and every paired difference is exactly 0; on blocks
+    where a feature carries the acceptance, `paired` gives the AUROC gain computed directly."""
+    from bench.confidence_refit import paired, refit_figures
+    from dspark.eval import calibration as cal
+
+    setup = build_setup(tmp_path)
+    figures = refit_figures(str(setup.drafter), setup_overrides(setup))
+    assert figures["refit"]["l2"] is None and figures["refit"]["weight_delta_norm"] == 0.0
+    assert figures["fit_conversations"] + figures["scored_conversations"] == 8
+    for name, diff in figures["scored"]["refit_minus_served"].items():
+        assert diff == {"value": 0.0, "se": 0.0}, name
+
+    x, alpha, mask, _ = known_blocks(n=400, seed=3)
+    alpha, x = alpha.copy(), x.numpy()
+    weak, strong = 0.3 * x[..., 0] + x[..., 1], 3 * x[..., 0]  # the second ranks as α does
+    none = np.zeros(mask.shape)
+    conversations = np.arange(400) // 4
+    out = paired({"weak": (weak, none), "strong": (strong, none)}, alpha, mask, conversations, 10, seed=0)
+    for k in range(4):
+        direct = [
+            cal.auroc(cal.prefix_survival(cal.sigmoid(lg), mask)[:, k], cal.prefix_survival(alpha, mask)[:, k])
+            for lg in (weak, strong)
+        ]
+        got = out["strong_minus_weak"][f"auroc_{k + 1}"]
+        assert got["value"] == pytest.approx(direct[1] - direct[0]) and 0 < got["se"] < got["value"]
+    # neither verifies a slot here: both spare every draft, and no difference
+    assert out["strong"]["saved"] == 1.0 and out["strong_minus_weak"]["saved"] == {"value": 0.0, "se": 0.0}
