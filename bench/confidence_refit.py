@@ -14,11 +14,9 @@ difference paired and its SE a bootstrap over the scored conversations.
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 
 import numpy as np
 
-from bench import write_figures
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
 from dspark.eval import calibration as cal
@@ -113,12 +111,11 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     from bench import lever_data
 
-    args, _, overrides = lever_data.report_args(
-        argv, "python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]"
+    figures = lever_data.write_report(
+        argv,
+        "python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]",
+        refit_figures,
     )
-    figures = refit_figures(args["drafter"], overrides)
-    out = Path(args["out"])
-    write_figures(out.parent, out.stem, figures)
     refit = figures["refit"]
     print(f"refit l2 {refit['l2']} (cv nll {refit['cv_nll']})")
     for name in ("served", "refit"):

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import datetime
 import tempfile
-from pathlib import Path
 
-from bench import write_figures
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
 from dspark.errors import UserError
@@ -62,12 +60,11 @@ def confidence_figures(drafter: str, overrides: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     from bench import lever_data
 
-    args, _, overrides = lever_data.report_args(
-        argv, "python -m bench.confidence_report drafter=DIR bench_data=NAME out=FILE.json [overrides]"
+    figures = lever_data.write_report(
+        argv,
+        "python -m bench.confidence_report drafter=DIR bench_data=NAME out=FILE.json [overrides]",
+        confidence_figures,
     )
-    figures = confidence_figures(args["drafter"], overrides)
-    out = Path(args["out"])
-    write_figures(out.parent, out.stem, figures)
     budget = figures["calibration"]["budget"]
     print(f"tau {figures['offline_tau']:.4f}")
     print("AUROC before STS:", [round(p["auroc"], 3) for p in figures["calibration"]["before"]["per_position"]])

@@ -378,6 +378,18 @@ def report_args(
     return args, record, [*overrides, *rest]
 
 
+def write_report(argv: list[str], usage: str, make_figures) -> dict:
+    """A per-drafter report script's body: `report_args`, then `make_figures(drafter, overrides)` written
+    to `out` (`bench.write_figures`). Returns the figures, for the script to print."""
+    from bench import write_figures
+
+    args, _, overrides = report_args(argv, usage)
+    figures = make_figures(args["drafter"], overrides)
+    out = Path(args["out"])
+    write_figures(out.parent, out.stem, figures)
+    return figures
+
+
 def train_overrides(record: dict) -> list[str]:
     """Overrides of `python -m train` that point a run at a materialized benchmark."""
     return [
