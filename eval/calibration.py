@@ -245,7 +245,7 @@ def fit_served_scaling(conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np
     return math.exp(log_a), c
 
 
-REFIT_L2 = (1e-1, 1e-2, 1e-3, 1e-4)
+REFIT_L2 = (1.0, 1e-1, 1e-2, 1e-3)
 """Ridge strengths `refit_served_head` chooses among (on standardized features), with the plain map."""
 REFIT_FOLDS = 4
 """Folds of conversations the choice is cross-validated on."""
