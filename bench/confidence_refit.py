@@ -17,6 +17,7 @@ import datetime
 import math
 
 import numpy as np
+from tqdm import tqdm
 
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
@@ -97,9 +98,11 @@ def refit_served_head(
     candidates: list[float | None] = [None, *l2_grid]
     cv: dict = {}
     if ids.size >= 2 * folds:
+        bar = tqdm(total=len(candidates) * folds, desc="refit cross-validation", unit="fit")
         for l2 in candidates:
             total, count = 0.0, 0
             for k in range(folds):
+                bar.update()
                 train, test = block_fold != k, block_fold == k
                 if l2 is None:
                     a, c = cal.fit_served_scaling(conf_logits[train], alpha[train], mask[train])
@@ -112,6 +115,7 @@ def refit_served_head(
                 total += cal.nll(pred, label) * pred.size
                 count += pred.size
             cv["none" if l2 is None else repr(l2)] = total / max(count, 1)
+        bar.close()
         best = min(candidates, key=lambda l2: cv["none" if l2 is None else repr(l2)])
     else:
         best = None
