@@ -185,13 +185,15 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
             seed=heldout.seed,
         )
         budgets[name] = budget
-        pred = cal.prefix_survival(cal.sigmoid(lg[scored]), mask[scored])
-        heads[name] = (lg[scored], (mask[scored] & (pred >= budget["confidence"]["setting"])).astype(float))
+        survival = cal.prefix_survival(cal.sigmoid(lg[scored]), mask[scored])
+        setting = budget["confidence"]["setting"]
+        heads[name] = (lg[scored], cal.verified_slots("confidence", setting, survival, None, mask[scored]))
     store = ecfg.store
     return {
         "made": {**git_state(), "date": datetime.date.today().isoformat()},
         "drafter": drafter,
         "drafter_model_safetensors_sha256": file_fingerprint(f"{drafter}/model.safetensors"),
+        "eval_overrides": list(overrides),
         "eval_store": store,
         "eval_store_fingerprint": store_fingerprint(store),
         "fit_conversations": int(fit_ids.size),

@@ -274,7 +274,7 @@ def _settings(name: str, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) 
     return np.unique(np.quantile(score[mask], np.linspace(0.0, 1.0, 201))).tolist() if mask.any() else [0.0]
 
 
-def _verified(name: str, setting: float, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def verified_slots(name: str, setting: float, pred: np.ndarray, label: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Share of each slot [n, B] one schedule verifies at `setting` (0 or 1 but for `fixed`'s last slot)."""
     if name == "fixed":
         return mask * np.clip(setting - np.arange(mask.shape[1]), 0.0, 1.0)[None]
@@ -333,9 +333,11 @@ def verification_budget(
     for name in SCHEDULES:
         # the setting sending the fewest drafts on the fit samples within the loss (verifying every
         # slot always is), then applied as it is to the scored samples
-        tried = [_truncated(_verified(name, t, *fit_parts), fit_parts[1]) + (t,) for t in _settings(name, *fit_parts)]
+        tried = [
+            _truncated(verified_slots(name, t, *fit_parts), fit_parts[1]) + (t,) for t in _settings(name, *fit_parts)
+        ]
         setting = min((sent, t) for tau, sent, t in tried if tau >= floor - 1e-12)[1]
-        tau, sent = _truncated(_verified(name, setting, *scored_parts), scored_parts[1])
+        tau, sent = _truncated(verified_slots(name, setting, *scored_parts), scored_parts[1])
         out[name] = {
             "setting": setting,
             "tau": tau,
@@ -343,7 +345,7 @@ def verification_budget(
             "sent": sent,
             "saved": 1.0 - sent / full_sent if full_sent else 0.0,
         }
-        kept[name] = _verified(name, setting, *scored_parts)
+        kept[name] = verified_slots(name, setting, *scored_parts)
     if scored_conversations is not None:
         _budget_errors(out, kept, scored_parts, scored_conversations, seed)
     return out
