@@ -122,13 +122,8 @@ def head_inputs(draft, verifier, store, heldout: HeldoutConfig) -> tuple[torch.T
     """What the draft's confidence head reads [n, B, F] on `heldout`'s blocks of `store`, and the blocks' table."""
     from dspark.eval.offline import evaluate_store
 
-    seen: list[torch.Tensor] = []
-    hook = draft.confidence_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().cpu()))
-    try:
-        table = evaluate_store(draft, verifier, store, heldout, torch.device("cpu"), heldout.max_samples)
-    finally:
-        hook.remove()
-    return torch.cat(seen), table
+    table = evaluate_store(draft, verifier, store, heldout, torch.device("cpu"), heldout.max_samples, head_inputs=True)
+    return torch.from_numpy(table.head_inputs), table
 
 
 def capture(

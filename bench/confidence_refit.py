@@ -2,11 +2,14 @@
 
 `make eval` folds one slope and intercept, fitted on half of the held-out conversations, into the
 head vLLM serves (`eval.calibration.fit_served_scaling`). This asks what a refit of the whole head
-on the same half buys: `refit_served_head` keeps the trained head's logit, rescaled,
+on the same half buys: `eval.calibration.refit_served_head` keeps the trained head's logit, rescaled,
 and adds a ridge-penalized linear correction on the features the head reads (its strength, or none,
 cross-validated over the fit half's conversations). Both maps are scored on the other half, with
 the per-position AUROC, the pooled ECE and NLL, and the drafts the verification budget spares, each
-difference paired and its SE a bootstrap over the scored conversations.
+difference paired and its SE a bootstrap over the scored conversations. A threshold picked on the fit
+half carries over to the scored half with some τ loss of its own, which differs between the maps, so
+`at_equal_tau_loss` also compares the drafts spared at the threshold each map needs on the scored half
+itself to lose the same τ (the ranking alone; its SE holds those thresholds fixed).
 
     python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]
 """
@@ -14,117 +17,14 @@ difference paired and its SE a bootstrap over the scored conversations.
 from __future__ import annotations
 
 import datetime
-import math
 
 import numpy as np
-from tqdm import tqdm
 
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
 from dspark.eval import calibration as cal
 
 ROUNDS = 500  # conversation resamples behind each paired SE
-
-
-REFIT_L2 = (1.0, 1e-1, 1e-2, 1e-3)
-"""Ridge strengths `refit_served_head` chooses among (on standardized features), with the plain map."""
-REFIT_FOLDS = 4
-"""Folds of conversations the choice is cross-validated on."""
-
-
-def fit_head_refit(
-    conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np.ndarray, features: np.ndarray, l2: float
-) -> dict:
-    """The head refitted around its own logit: a·z + c + x·δ + d, minimizing the survival NLL of
-    `fit_served_scaling` plus l2·‖δ_s‖², δ_s the correction on features standardized over the valid
-    slots (so l2 → ∞ gives `fit_served_scaling`'s map). conf_logits, alpha, slot_mask [n, B];
-    features [n, B, F] what the head reads. Returns {slope, intercept, weight_delta [F], bias_delta}
-    in the raw features' units: the head w·x + b becomes (a·w + δ)·x + a·b + c + d."""
-    import torch
-
-    mask = np.asarray(slot_mask, bool)
-    dim = features.shape[-1]
-    if not mask.any():
-        return {"slope": 1.0, "intercept": 0.0, "weight_delta": np.zeros(dim), "bias_delta": 0.0}
-    z = torch.as_tensor(np.asarray(conf_logits, np.float64))
-    valid = torch.as_tensor(mask)
-    label = torch.as_tensor(cal.prefix_survival(alpha, mask))[valid]
-    x = torch.as_tensor(np.asarray(features)).double()
-    mean = x[valid].mean(0)
-    std = x[valid].std(0).nan_to_num(0.0) + 1e-6
-    xs = (x - mean) / std
-    scale = torch.zeros(2, dtype=torch.float64, requires_grad=True)  # log a, c
-    delta = torch.zeros(dim, dtype=torch.float64, requires_grad=True)
-    cal.minimize_lbfgs(
-        [scale, delta],
-        lambda: cal.survival_nll(scale[0].exp() * z + scale[1] + xs @ delta, label, valid) + l2 * (delta * delta).sum(),
-    )
-    with torch.no_grad():
-        log_a, c = scale.tolist()
-        weight_delta = delta / std
-        return {
-            "slope": math.exp(log_a),
-            "intercept": c,
-            "weight_delta": weight_delta.numpy(),
-            "bias_delta": float(-(weight_delta * mean).sum()),
-        }
-
-
-def head_logits(conf_logits: np.ndarray, features: np.ndarray, refit: dict) -> np.ndarray:
-    """The refitted head's logits [n, B] from the trained head's [n, B] and its features [n, B, F]."""
-    correction = np.asarray(features, np.float64) @ refit["weight_delta"] + refit["bias_delta"]
-    return refit["slope"] * np.asarray(conf_logits, np.float64) + refit["intercept"] + correction
-
-
-def refit_served_head(
-    conf_logits: np.ndarray,
-    alpha: np.ndarray,
-    slot_mask: np.ndarray,
-    features: np.ndarray,
-    conversations: np.ndarray,
-    seed: int,
-    l2_grid: tuple[float, ...] = REFIT_L2,
-    folds: int = REFIT_FOLDS,
-) -> dict:
-    """`fit_head_refit` at the ridge strength (or none: the plain map, `l2` None) whose survival NLL is
-    lowest over `folds` folds of whole conversations (`conversations` [n]), refitted on every block.
-
-    Returns the map ({slope, intercept, weight_delta, bias_delta}; a zero correction for the plain map),
-    the chosen `l2` and `cv_nll` per candidate. Under 2 conversations per fold the plain map is kept."""
-    mask = np.asarray(slot_mask, bool)
-    ids = np.random.default_rng(seed).permutation(np.unique(conversations))
-    fold_of = dict(zip(ids.tolist(), np.arange(ids.size) % folds))
-    block_fold = np.array([fold_of[c] for c in np.asarray(conversations).tolist()], dtype=int)
-    candidates: list[float | None] = [None, *l2_grid]
-    cv: dict = {}
-    if ids.size >= 2 * folds:
-        bar = tqdm(total=len(candidates) * folds, desc="refit cross-validation", unit="fit")
-        for l2 in candidates:
-            total, count = 0.0, 0
-            for k in range(folds):
-                bar.update()
-                train, test = block_fold != k, block_fold == k
-                if l2 is None:
-                    a, c = cal.fit_served_scaling(conf_logits[train], alpha[train], mask[train])
-                    logits = a * np.asarray(conf_logits[test], np.float64) + c
-                else:
-                    part = fit_head_refit(conf_logits[train], alpha[train], mask[train], features[train], l2)
-                    logits = head_logits(conf_logits[test], features[test], part)
-                pred = cal.prefix_survival(cal.sigmoid(logits), mask[test])[mask[test]]
-                label = cal.prefix_survival(alpha[test], mask[test])[mask[test]]
-                total += cal.nll(pred, label) * pred.size
-                count += pred.size
-            cv["none" if l2 is None else repr(l2)] = total / max(count, 1)
-        bar.close()
-        best = min(candidates, key=lambda l2: cv["none" if l2 is None else repr(l2)])
-    else:
-        best = None
-    if best is None:
-        a, c = cal.fit_served_scaling(conf_logits, alpha, mask)
-        fitted = {"slope": a, "intercept": c, "weight_delta": np.zeros(features.shape[-1]), "bias_delta": 0.0}
-    else:
-        fitted = fit_head_refit(conf_logits, alpha, mask, features, best)
-    return {**fitted, "l2": best, "cv_nll": cv}
 
 
 def _scores(logits: np.ndarray, alpha: np.ndarray, mask: np.ndarray, kept: np.ndarray, n_bins: int) -> np.ndarray:
@@ -172,22 +72,23 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
     scored = ~fit
     z, alpha, mask = np.asarray(table.conf_logits, np.float64), table.alpha, np.asarray(table.slot_mask, bool)
     slope, intercept = cal.fit_served_scaling(z[fit], alpha[fit], mask[fit])
-    refit = refit_served_head(z[fit], alpha[fit], mask[fit], x[fit], table.sample_id[fit], heldout.seed)
-    logits = {"served": slope * z + intercept, "refit": head_logits(z, x, refit)}
-    heads, budgets = {}, {}
+    refit = cal.refit_served_head(z[fit], alpha[fit], mask[fit], x[fit], table.sample_id[fit], heldout.seed)
+    logits = {"served": slope * z + intercept, "refit": cal.head_logits(z, x, refit)}
+    conversations, bound = table.sample_id[scored], ecfg.calibration.max_tau_loss
+    heads, budgets, matched_heads, matched_loss = {}, {}, {}, {}
     for name, lg in logits.items():
-        budget = cal.verification_budget(
-            (lg[fit], alpha[fit], mask[fit]),
-            (lg[scored], alpha[scored], mask[scored]),
-            None,
-            ecfg.calibration.max_tau_loss,
-            scored_conversations=table.sample_id[scored],
-            seed=heldout.seed,
+        own = (lg[scored], alpha[scored], mask[scored])
+        budgets[name] = cal.verification_budget(
+            (lg[fit], alpha[fit], mask[fit]), own, None, bound, scored_conversations=conversations, seed=heldout.seed
         )
-        budgets[name] = budget
-        survival = cal.prefix_survival(cal.sigmoid(lg[scored]), mask[scored])
-        setting = budget["confidence"]["setting"]
-        heads[name] = (lg[scored], cal.verified_slots("confidence", setting, survival, None, mask[scored]))
+        heads[name] = (lg[scored], _verified(lg[scored], mask[scored], budgets[name]))
+        # the threshold each map would need on the scored half itself to lose the same τ: drafts spared
+        # at an equal τ loss, whatever either map's threshold carries over from the fit half
+        matched = cal.verification_budget(own, own, None, bound)
+        matched_heads[name] = (lg[scored], _verified(lg[scored], mask[scored], matched))
+        matched_loss[name] = matched["confidence"]["tau_loss"]
+    n_bins = ecfg.calibration.n_bins
+    at_equal_loss = paired(matched_heads, alpha[scored], mask[scored], conversations, n_bins, heldout.seed)
     store = ecfg.store
     return {
         "made": {**git_state(), "date": datetime.date.today().isoformat()},
@@ -206,11 +107,20 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
             "intercept": refit["intercept"],
             "weight_delta_norm": float(np.linalg.norm(refit["weight_delta"])),
         },
-        "scored": paired(
-            heads, alpha[scored], mask[scored], table.sample_id[scored], ecfg.calibration.n_bins, heldout.seed
-        ),
+        "scored": paired(heads, alpha[scored], mask[scored], conversations, n_bins, heldout.seed),
         "budget": budgets,
+        "at_equal_tau_loss": {
+            "tau_loss": matched_loss,
+            "saved": {name: at_equal_loss[name]["saved"] for name in logits},
+            "refit_minus_served": at_equal_loss["refit_minus_served"]["saved"],
+        },
     }
+
+
+def _verified(logits: np.ndarray, mask: np.ndarray, budget: dict) -> np.ndarray:
+    """The slots [n, B] the confidence schedule of `budget` verifies of blocks with these head logits [n, B]."""
+    survival = cal.prefix_survival(cal.sigmoid(logits), mask)
+    return cal.verified_slots("confidence", budget["confidence"]["setting"], survival, None, mask)
 
 
 def main(argv: list[str]) -> int:
@@ -227,6 +137,12 @@ def main(argv: list[str]) -> int:
         print(f"{name:>7}: " + ", ".join(f"{k} {v:.4f}" for k, v in figures["scored"][name].items()))
     diff = figures["scored"]["refit_minus_served"]
     print("refit - served: " + ", ".join(f"{k} {v['value']:+.4f} ± {v['se']:.4f}" for k, v in diff.items()))
+    equal = figures["at_equal_tau_loss"]
+    print(
+        "at an equal tau loss on the scored half ("
+        + ", ".join(f"{k} {v:.4f}" for k, v in equal["tau_loss"].items())
+        + f"): saved refit - served {equal['refit_minus_served']['value']:+.4f} ± {equal['refit_minus_served']['se']:.4f}"
+    )
     return 0
 
 

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from dspark.config import HeldoutConfig, TargetConfig, load_section
 from dspark.entry import stage_main
 from dspark.errors import UserError
-from dspark.eval.card import benchmark_names, budget_headline
+from dspark.eval.card import benchmark_names, budget_headline, refit_phrase
 from dspark.eval.config import EvalConfig
 from dspark.eval.decode import headline as decode_headline
 from dspark.eval.evaluate import evaluate_drafter
@@ -58,8 +58,8 @@ def headline(report: dict) -> str:
         served = c.get("served")
         if served:
             lines.append(
-                f"confidence head as vLLM serves it: logit x {served['slope']:.3f} {served['intercept']:+.3f} "
-                f"folded in, ECE {served['pooled']['ece']:.4f}, AUROC per position "
+                f"confidence head as vLLM serves it: logit x {served['slope']:.3f} {served['intercept']:+.3f}"
+                f"{refit_phrase(served)} folded in, ECE {served['pooled']['ece']:.4f}, AUROC per position "
                 + " ".join(f"{p['auroc']:.3f}" for p in served["per_position"])
             )
         # the budget of the head vLLM schedules on: as served where the report has it

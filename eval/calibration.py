@@ -39,6 +39,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 EPS = 1e-7
 
@@ -200,7 +201,7 @@ def fit_sequential_temperatures(
     return temperatures
 
 
-def survival_nll(logits, label, valid):
+def _survival_nll(logits, label, valid):
     """Mean NLL of the prefix survival Π_{j≤k} sigmoid(logits_j) against `label` over the valid slots
     (the pooled `nll` of `confidence_quality`). logits [n, B] (torch), label [valid slots], valid [n, B]."""
     import torch
@@ -210,7 +211,7 @@ def survival_nll(logits, label, valid):
     return -(label * pred.log() + (1 - label) * torch.log1p(-pred)).mean()
 
 
-def minimize_lbfgs(params: list, objective) -> None:
+def _lbfgs(params: list, objective) -> None:
     """Minimize `objective()` over `params` in place (full-batch L-BFGS with a strong-Wolfe line search)."""
     import torch
 
@@ -240,9 +241,110 @@ def fit_served_scaling(conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np
     valid = torch.as_tensor(mask)
     label = torch.as_tensor(prefix_survival(alpha, mask))[valid]
     params = torch.zeros(2, dtype=torch.float64, requires_grad=True)  # log a, c
-    minimize_lbfgs([params], lambda: survival_nll(params[0].exp() * z + params[1], label, valid))
+    _lbfgs([params], lambda: _survival_nll(params[0].exp() * z + params[1], label, valid))
     log_a, c = params.detach().tolist()
     return math.exp(log_a), c
+
+
+REFIT_L2 = (1.0, 1e-1, 1e-2, 1e-3)
+"""Ridge strengths `refit_served_head` chooses among (on standardized features), with the plain map."""
+REFIT_FOLDS = 4
+"""Folds of conversations the choice is cross-validated on."""
+
+
+def fit_head_refit(
+    conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np.ndarray, features: np.ndarray, l2: float
+) -> dict:
+    """The head refitted around its own logit: a·z + c + x·δ + d, minimizing the survival NLL of
+    `fit_served_scaling` plus l2·‖δ_s‖², δ_s the correction on features standardized over the valid
+    slots (so l2 → ∞ gives `fit_served_scaling`'s map). conf_logits, alpha, slot_mask [n, B];
+    features [n, B, F] what the head reads. Returns {slope, intercept, weight_delta [F], bias_delta}
+    in the raw features' units: the head w·x + b becomes (a·w + δ)·x + a·b + c + d."""
+    import torch
+
+    mask = np.asarray(slot_mask, bool)
+    dim = features.shape[-1]
+    if not mask.any():
+        return {"slope": 1.0, "intercept": 0.0, "weight_delta": np.zeros(dim), "bias_delta": 0.0}
+    z = torch.as_tensor(np.asarray(conf_logits, np.float64))
+    valid = torch.as_tensor(mask)
+    label = torch.as_tensor(prefix_survival(alpha, mask))[valid]
+    x = torch.as_tensor(np.asarray(features)).double()
+    mean = x[valid].mean(0)
+    std = x[valid].std(0).nan_to_num(0.0) + 1e-6
+    xs = (x - mean) / std
+    scale = torch.zeros(2, dtype=torch.float64, requires_grad=True)  # log a, c
+    delta = torch.zeros(dim, dtype=torch.float64, requires_grad=True)
+    _lbfgs(
+        [scale, delta],
+        lambda: _survival_nll(scale[0].exp() * z + scale[1] + xs @ delta, label, valid) + l2 * (delta * delta).sum(),
+    )
+    with torch.no_grad():
+        log_a, c = scale.tolist()
+        weight_delta = delta / std
+        return {
+            "slope": math.exp(log_a),
+            "intercept": c,
+            "weight_delta": weight_delta.numpy(),
+            "bias_delta": float(-(weight_delta * mean).sum()),
+        }
+
+
+def head_logits(conf_logits: np.ndarray, features: np.ndarray, refit: dict) -> np.ndarray:
+    """The refitted head's logits [n, B] from the trained head's [n, B] and its features [n, B, F]."""
+    correction = np.asarray(features, np.float64) @ refit["weight_delta"] + refit["bias_delta"]
+    return refit["slope"] * np.asarray(conf_logits, np.float64) + refit["intercept"] + correction
+
+
+def refit_served_head(
+    conf_logits: np.ndarray,
+    alpha: np.ndarray,
+    slot_mask: np.ndarray,
+    features: np.ndarray,
+    conversations: np.ndarray,
+    seed: int,
+    l2_grid: tuple[float, ...] = REFIT_L2,
+    folds: int = REFIT_FOLDS,
+) -> dict:
+    """`fit_head_refit` at the ridge strength (or none: the plain map, `l2` None) whose survival NLL is
+    lowest over `folds` folds of whole conversations (`conversations` [n]), refitted on every block.
+
+    Returns the map ({slope, intercept, weight_delta, bias_delta}; a zero correction for the plain map),
+    the chosen `l2` and `cv_nll` per candidate. Under 2 conversations per fold the plain map is kept."""
+    mask = np.asarray(slot_mask, bool)
+    ids = np.random.default_rng(seed).permutation(np.unique(conversations))
+    fold_of = dict(zip(ids.tolist(), np.arange(ids.size) % folds))
+    block_fold = np.array([fold_of[c] for c in np.asarray(conversations).tolist()], dtype=int)
+    candidates: list[float | None] = [None, *l2_grid]
+    cv: dict = {}
+    if ids.size >= 2 * folds:
+        bar = tqdm(total=len(candidates) * folds, desc="refit cross-validation", unit="fit")
+        for l2 in candidates:
+            total, count = 0.0, 0
+            for k in range(folds):
+                bar.update()
+                train, test = block_fold != k, block_fold == k
+                if l2 is None:
+                    a, c = fit_served_scaling(conf_logits[train], alpha[train], mask[train])
+                    logits = a * np.asarray(conf_logits[test], np.float64) + c
+                else:
+                    part = fit_head_refit(conf_logits[train], alpha[train], mask[train], features[train], l2)
+                    logits = head_logits(conf_logits[test], features[test], part)
+                pred = prefix_survival(sigmoid(logits), mask[test])[mask[test]]
+                label = prefix_survival(alpha[test], mask[test])[mask[test]]
+                total += nll(pred, label) * pred.size
+                count += pred.size
+            cv["none" if l2 is None else repr(l2)] = total / max(count, 1)
+        bar.close()
+        best = min(candidates, key=lambda l2: cv["none" if l2 is None else repr(l2)])
+    else:
+        best = None
+    if best is None:
+        a, c = fit_served_scaling(conf_logits, alpha, mask)
+        fitted = {"slope": a, "intercept": c, "weight_delta": np.zeros(features.shape[-1]), "bias_delta": 0.0}
+    else:
+        fitted = fit_head_refit(conf_logits, alpha, mask, features, best)
+    return {**fitted, "l2": best, "cv_nll": cv}
 
 
 def _truncated(keep: np.ndarray, label: np.ndarray) -> tuple[float, float]:
@@ -392,14 +494,22 @@ HEAD_WEIGHT, HEAD_BIAS = "confidence_head.proj.weight", "confidence_head.proj.bi
 """The confidence head's tensors in a drafter's `model.safetensors`: what vLLM's DSpark model loads."""
 
 
-def scaled_head(weight, bias, slope: float, intercept: float) -> tuple:
-    """The linear head (w, b) whose logit is a·(w·x + b) + c, in the tensors' own dtype."""
-    return (weight.double() * slope).to(weight.dtype), (bias.double() * slope + intercept).to(bias.dtype)
+def scaled_head(weight, bias, slope: float, intercept: float, weight_delta=None, bias_delta: float = 0.0) -> tuple:
+    """The linear head (w, b) whose logit is a·(w·x + b) + c, plus a refit's correction δ·x + d
+    (`refit_served_head`), in the tensors' own dtype. weight [1, F], bias [1], weight_delta [F] or None."""
+    import torch
+
+    new_weight = weight.double() * slope
+    if weight_delta is not None:
+        new_weight = new_weight + torch.as_tensor(np.asarray(weight_delta), dtype=torch.float64).reshape(weight.shape)
+    return new_weight.to(weight.dtype), (bias.double() * slope + intercept + bias_delta).to(bias.dtype)
 
 
-def fold_into_head(weights_file: str | Path, slope: float, intercept: float) -> None:
-    """Rewrite the drafter's confidence head as a·(w·x + b) + c (the file replaced whole, atomically;
-    every other tensor and the file's metadata as they were)."""
+def fold_into_head(
+    weights_file: str | Path, slope: float, intercept: float, weight_delta=None, bias_delta: float = 0.0
+) -> None:
+    """Rewrite the drafter's confidence head as a·(w·x + b) + c + δ·x + d (`scaled_head`; the file
+    replaced whole, atomically; every other tensor and the file's metadata as they were)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -412,7 +522,7 @@ def fold_into_head(weights_file: str | Path, slope: float, intercept: float) -> 
         raise ValueError(f"{path}: no {HEAD_WEIGHT}: the drafter has no confidence head to calibrate")
     weight = tensors[HEAD_WEIGHT]
     bias = tensors.get(HEAD_BIAS, torch.zeros(1, dtype=weight.dtype))
-    tensors[HEAD_WEIGHT], tensors[HEAD_BIAS] = scaled_head(weight, bias, slope, intercept)
+    tensors[HEAD_WEIGHT], tensors[HEAD_BIAS] = scaled_head(weight, bias, slope, intercept, weight_delta, bias_delta)
     tmp = path.with_name(f".{path.name}.tmp")  # hidden, as the project's other atomic writes: never loaded
     save_file(tensors, tmp, metadata=metadata)
     with tmp.open("rb") as f:

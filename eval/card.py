@@ -251,14 +251,25 @@ def _calibration(cal: dict) -> list[str]:
     ]
 
 
+def refit_phrase(served: dict) -> str:
+    """What the served map holds beyond the slope and intercept (`eval.calibration.refit`), in words."""
+    refit = served.get("refit")
+    if refit is None:
+        return ""
+    if refit["l2"] is None:
+        tried = "the cross-validation kept it" if refit["cv_nll"] else "too few conversations to cross-validate"
+        return f", with no correction (a refit of the head was tried: {tried})"
+    return f", plus a linear correction on the features the head reads (ridge {refit['l2']:g}, cross-validated)"
+
+
 def _served(cal: dict) -> list[str]:
     served = cal["served"]
     return [
         "",
         "vLLM reads the head's sigmoid as each slot's acceptance probability, one head for every position, "
         "and no temperatures: `make eval` folded one slope and intercept, fitted on the same samples as the "
-        f"temperatures, into the head (slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}; "
-        "`folds` in `calibration.json`). Pooled ECE of the head as served now, on the "
+        f"temperatures, into the head (slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}"
+        f"{refit_phrase(served)}; `folds` in `calibration.json`). Pooled ECE of the head as served now, on the "
         f"scored samples: {fmt(served['pooled']['ece'])} (raw {fmt(cal['before']['pooled']['ece'])}, "
         f"STS {fmt(cal['after']['pooled']['ece'])}); AUROC per position "
         + " / ".join(fmt(p["auroc"]) for p in served["per_position"])

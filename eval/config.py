@@ -58,6 +58,10 @@ class CalibrationConfig(Checked):
     """Fold the served map (one slope and intercept for every position, `calibration.fit_served_scaling`)
     into the drafter's confidence head, the one vLLM serves, and write it with the fitted temperatures to
     `<drafter>/calibration.json`; false leaves the drafter as it is."""
+    refit: bool
+    """Refit the served head on the fit half, around its own logit: a ridge-penalized linear correction
+    on the features the head reads, its strength (or none) cross-validated over the fit half's
+    conversations (`calibration.refit_served_head`); false fits the slope and intercept only."""
 
     def __post_init__(self) -> None:
         if not 0 < self.fit_fraction < 1:

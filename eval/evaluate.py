@@ -105,15 +105,24 @@ def split_samples(sample_ids: np.ndarray, fit_fraction: float, seed: int) -> tup
 
 
 def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) -> dict | None:
-    """STS temperatures fitted on part of the held-out samples; raw vs scaled scores on the rest."""
+    """STS temperatures fitted on part of the held-out samples; raw vs scaled scores on the rest; the
+    map vLLM is served (`served`): one slope and intercept, with `cfg.refit` and the head's inputs in
+    `table` a cross-validated refit of the head around them (`calibration.refit_served_head`)."""
     if table.conf_logits is None:
         return None
     fit_ids, scored_ids = split_samples(table.sample_id, cfg.fit_fraction, seed)
     fit, scored = table.select(np.isin(table.sample_id, fit_ids)), table.select(np.isin(table.sample_id, scored_ids))
     temps = cal.fit_sequential_temperatures(fit.conf_logits, fit.alpha, fit.slot_mask, cfg.t_min, cfg.t_max)
-    slope, intercept = cal.fit_served_scaling(fit.conf_logits, fit.alpha, fit.slot_mask)
+    refit = None
+    if cfg.refit and table.head_inputs is not None:
+        refit = cal.refit_served_head(fit.conf_logits, fit.alpha, fit.slot_mask, fit.head_inputs, fit.sample_id, seed)
+        slope, intercept = refit["slope"], refit["intercept"]
+    else:
+        slope, intercept = cal.fit_served_scaling(fit.conf_logits, fit.alpha, fit.slot_mask)
 
     def served(split: BlockTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if refit is not None:
+            return cal.head_logits(split.conf_logits, split.head_inputs, refit), split.alpha, split.slot_mask
         return slope * np.asarray(split.conf_logits, np.float64) + intercept, split.alpha, split.slot_mask
 
     def budget(fit_split: tuple, scored_split: tuple, temperatures: list[float] | None) -> dict:
@@ -134,12 +143,25 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
         "served": {
             "slope": slope,
             "intercept": intercept,
+            **({} if refit is None else {"refit": refit_record(refit)}),
             **cal.confidence_quality(*served(scored), None, cfg.n_bins),
             "budget": budget(served(fit), served(scored), None),
         },
         "budget": budget(
             (fit.conf_logits, fit.alpha, fit.slot_mask), (scored.conf_logits, scored.alpha, scored.slot_mask), temps
         ),
+    }
+
+
+def refit_record(refit: dict) -> dict:
+    """The report's record of a refit: the chosen ridge strength (None: the plain map won the
+    cross-validation, or too few conversations), each candidate's cross-validated NLL, and the
+    correction folded into the head, δ [F] and d."""
+    return {
+        "l2": refit["l2"],
+        "cv_nll": refit["cv_nll"],
+        "weight_delta": [float(v) for v in refit["weight_delta"]],
+        "bias_delta": refit["bias_delta"],
     }
 
 
@@ -163,15 +185,23 @@ def save_calibration(drafter_dir: Path, draft: DSparkDraft, calibration: dict) -
     the STS temperatures, every map `make eval` has folded into this head, oldest first, and the
     weights' sha256 they lead to."""
     served = {k: calibration["served"][k] for k in ("slope", "intercept")}
+    refit = calibration["served"].get("refit")
+    correction = {} if refit is None else {"weight_delta": refit["weight_delta"], "bias_delta": refit["bias_delta"]}
     path = drafter_dir / CALIBRATION_FILE
     weights = drafter_dir / WEIGHTS_FILE
     folds = earlier_folds(path, weights)
-    cal.fold_into_head(weights, served["slope"], served["intercept"])
+    cal.fold_into_head(weights, served["slope"], served["intercept"], **correction)
     proj = draft.confidence_head.proj
     with torch.no_grad():
-        weight, bias = cal.scaled_head(proj.weight, proj.bias, served["slope"], served["intercept"])
+        weight, bias = cal.scaled_head(proj.weight, proj.bias, served["slope"], served["intercept"], **correction)
         proj.weight.copy_(weight)
         proj.bias.copy_(bias)
+    if refit is not None:
+        served["refit"] = {
+            "l2": refit["l2"],
+            "weight_delta_norm": float(np.linalg.norm(refit["weight_delta"])),
+            "bias_delta": refit["bias_delta"],
+        }
     cal.save_calibration(
         path,
         calibration["temperatures"],
@@ -196,7 +226,10 @@ def offline_sections(
     The offline τ is the trainer's held-out τ: the same scorer under the same `heldout` protocol.
     """
     draft, verifier, store, _ = load_checked(drafter_dir, target, cfg.store)
-    table = evaluate_store(draft, verifier, store, heldout, pick_device(cfg.offline.device), heldout.max_samples)
+    refit = cfg.calibration.enabled and cfg.calibration.refit
+    table = evaluate_store(
+        draft, verifier, store, heldout, pick_device(cfg.offline.device), heldout.max_samples, head_inputs=refit
+    )
     offline = {**summarize(table, cfg.offline, read_sources(cfg.data_dir)), "heldout": asdict(heldout)}
     calibration = calibration_section(table, cfg.calibration, heldout.seed) if cfg.calibration.enabled else None
     if calibration is not None and cfg.calibration.save:

@@ -54,6 +54,8 @@ class BlockTable:
     """int64 [n] anchor position p (context tokens before the block's first prediction)."""
     seq_len: np.ndarray
     """int64 [n] length of the block's sample."""
+    head_inputs: np.ndarray | None = None
+    """float32 [n, B, F] what the confidence head read (`evaluate_store(..., head_inputs=True)`), else None."""
 
     def select(self, rows: np.ndarray) -> BlockTable:
         return BlockTable(
@@ -63,6 +65,7 @@ class BlockTable:
             self.sample_id[rows],
             self.anchor_pos[rows],
             self.seq_len[rows],
+            None if self.head_inputs is None else self.head_inputs[rows],
         )
 
     @property
@@ -149,9 +152,27 @@ def evaluate_store(
     device: torch.device,
     max_samples: int | None,
     desc: str = "offline eval",
+    head_inputs: bool = False,
 ) -> BlockTable:
-    """Score every block of the store's first `max_samples` held-out samples on `device`."""
-    return evaluate_blocks(draft, verifier, store, held_out_refs(store, max_samples), heldout, device, desc)
+    """Score every block of the store's first `max_samples` held-out samples on `device`; with
+    `head_inputs`, keep what the draft's confidence head read at each slot (`BlockTable.head_inputs`)."""
+    refs = held_out_refs(store, max_samples)
+    if not head_inputs or draft.confidence_head is None:
+        return evaluate_blocks(draft, verifier, store, refs, heldout, device, desc)
+    seen: list[torch.Tensor] = []  # one [c, B, F] per call of the head, in the table's block order
+    hook = draft.confidence_head.register_forward_pre_hook(
+        lambda _module, args: seen.append(args[0].detach().float().cpu())
+    )
+    try:
+        table = evaluate_blocks(draft, verifier, store, refs, heldout, device, desc)
+    finally:
+        hook.remove()
+    table.head_inputs = torch.cat(seen).numpy()
+    if table.head_inputs.shape[:2] != table.alpha.shape:
+        raise RuntimeError(
+            f"captured head inputs {table.head_inputs.shape} do not match the blocks {table.alpha.shape}"
+        )
+    return table
 
 
 def _anchors(loss_mask: torch.Tensor, sample_id: int, heldout: HeldoutConfig) -> torch.Tensor:

@@ -148,6 +148,60 @@ def test_the_served_map_recovers_a_slope_and_an_intercept_temperatures_cannot():
     assert cal.fit_served_scaling(head, alpha, np.zeros_like(mask)) == (1.0, 0.0)
 
 
+def refit_case(n=3000, blocks=4, dim=6, signal=1.5, seed=0):
+    """A head that reads half the signal: the true logit is 0.5·z + signal·x₀ − 0.3, the trained head's z."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0.5, 1.5, size=(n, blocks))
+    x = rng.normal(2.0, 3.0, size=(n, blocks, dim))  # off-centre and wide: the fit standardizes them
+    alpha = cal.sigmoid(0.5 * z + signal * (x[..., 0] - 2.0) / 3.0 - 0.3)
+    mask = np.arange(blocks)[None, :] < rng.integers(1, blocks + 1, size=n)[:, None]
+    conversations = np.arange(n) // 10  # 10 blocks a conversation
+    return z, x, alpha, mask, conversations
+
+
+def test_the_refit_recovers_what_the_features_carry_beyond_the_head():
+    """The refit's map, in raw feature units, is the true one (a = 0.5, δ on x₀ only, the intercept
+    absorbing x₀'s mean); its logits are a·z + c + x·δ + d computed by hand, and it ranks and
+    scores better than the plain map on fresh blocks."""
+    z, x, alpha, mask, conv = refit_case()
+    fitted = cal.refit_served_head(z, alpha, mask, x, conv, seed=0)
+    assert fitted["l2"] is not None
+    assert set(fitted["cv_nll"]) == {"none", *(repr(v) for v in cal.REFIT_L2)}
+    assert fitted["cv_nll"][repr(fitted["l2"])] < fitted["cv_nll"]["none"]
+    assert fitted["slope"] == pytest.approx(0.5, abs=0.03)
+    assert fitted["weight_delta"][0] == pytest.approx(0.5, abs=0.03)  # 1.5 / std 3
+    assert np.abs(fitted["weight_delta"][1:]).max() < 0.03
+    assert fitted["intercept"] + fitted["bias_delta"] == pytest.approx(-0.3 - 1.0, abs=0.1)
+    hand = fitted["slope"] * z + fitted["intercept"] + np.einsum("nbf,f->nb", x, fitted["weight_delta"])
+    np.testing.assert_allclose(cal.head_logits(z, x, fitted), hand + fitted["bias_delta"])
+
+    z2, x2, alpha2, mask2, _ = refit_case(seed=1)
+    a, c = cal.fit_served_scaling(z, alpha, mask)
+    plain = cal.confidence_quality(a * z2 + c, alpha2, mask2, None, 10)
+    refit = cal.confidence_quality(cal.head_logits(z2, x2, fitted), alpha2, mask2, None, 10)
+    for k in range(4):
+        assert refit["per_position"][k]["auroc"] > plain["per_position"][k]["auroc"] + 0.02
+    assert refit["pooled"]["nll"] < plain["pooled"]["nll"]
+
+
+def test_the_refit_keeps_the_plain_map_where_features_add_nothing_or_data_is_short():
+    """Features of pure noise: whatever strength the cross-validation picks, the refit scores within
+    0.5% of the plain map's NLL on fresh blocks. Under 2 conversations a fold: the plain map itself."""
+    z, x, alpha, mask, conv = refit_case(signal=0.0, n=1500)
+    fitted = cal.refit_served_head(z, alpha, mask, x, conv, seed=0)
+    z2, x2, alpha2, mask2, _ = refit_case(signal=0.0, n=1500, seed=1)
+    a, c = cal.fit_served_scaling(z, alpha, mask)
+    plain = cal.confidence_quality(a * z2 + c, alpha2, mask2, None, 10)["pooled"]["nll"]
+    refit = cal.confidence_quality(cal.head_logits(z2, x2, fitted), alpha2, mask2, None, 10)["pooled"]["nll"]
+    assert refit < plain * 1.005
+
+    few = conv[:70]  # 7 conversations, 4 folds
+    short = cal.refit_served_head(z[:70], alpha[:70], mask[:70], x[:70], few, seed=0)
+    assert short["l2"] is None and short["cv_nll"] == {}
+    assert (short["slope"], short["intercept"]) == cal.fit_served_scaling(z[:70], alpha[:70], mask[:70])
+    assert not short["weight_delta"].any() and short["bias_delta"] == 0.0
+
+
 def test_folding_the_map_into_the_head_serves_it_and_leaves_the_rest(tmp_path):
     """sigmoid of the folded head's logit is sigmoid(a·(w·x + b) + c) on any input; every other tensor,
     and the file's metadata, stay as they were."""

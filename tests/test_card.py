@@ -118,6 +118,8 @@ def test_card_figures_match_their_report_fields(report_and_card):
     assert f"slope {fmt(served['slope'])}, intercept {fmt(served['intercept'])}" in card
     assert f"scored samples: {fmt(served['pooled']['ece'])} (raw {fmt(cal['before']['pooled']['ece'])}" in card
     assert f"as served, it spares {fmt(served['budget']['confidence']['saved'])} of the drafts" in card
+    # the tiny report's 4 fit samples are too few to cross-validate a refit: the card says so
+    assert "no correction (a refit of the head was tried: too few conversations to cross-validate)" in card
     assert "AUROC per position " + " / ".join(fmt(p["auroc"]) for p in served["per_position"]) + "." in card
     assert "16 prompts, 256 greedy tokens each" in card
 

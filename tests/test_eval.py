@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -191,6 +192,36 @@ def test_calibration_split_is_disjoint():
         split_samples(np.array([1, 2]), fit_fraction=1.0, seed=0)
 
 
+def test_calibration_section_serves_the_refit_it_reports(setup):
+    """With the head's inputs in the table, the served map is the cross-validated refit: the report
+    holds its correction, and its scores are those of a·z + c + δ·x + d computed here; without them,
+    or with `refit` off, the plain slope and intercept."""
+    from dspark.eval import calibration as cal
+    from dspark.eval.offline import BlockTable
+
+    rng = np.random.default_rng(0)
+    n, blocks, dim = 2000, 4, 5
+    z, x = rng.normal(0.5, 1.5, (n, blocks)), rng.normal(0.0, 1.0, (n, blocks, dim))
+    alpha = cal.sigmoid(0.5 * z + 1.2 * x[..., 0] - 0.3)
+    mask = np.arange(blocks)[None] < rng.integers(1, blocks + 1, n)[:, None]
+    ids = np.arange(n) // 20
+    table = BlockTable(alpha, mask, z, ids, np.zeros(n, np.int64), np.full(n, 64), x.astype(np.float32))
+    _, cfg, _ = offline_cfg(setup)
+    section = calibration_section(table, cfg.calibration, seed=0)
+    served = section["served"]
+    assert served["refit"]["l2"] is not None and len(served["refit"]["weight_delta"]) == dim
+    refit = {**served["refit"], "slope": served["slope"], "intercept": served["intercept"]}
+    refit["weight_delta"] = np.array(refit["weight_delta"])
+    fit_ids, scored_ids = split_samples(ids, cfg.calibration.fit_fraction, 0)
+    rows = np.isin(ids, scored_ids)
+    want = cal.confidence_quality(cal.head_logits(z[rows], x[rows], refit), alpha[rows], mask[rows], None, 10)
+    assert served["pooled"] == pytest.approx(want["pooled"])
+    plain = calibration_section(replace(table, head_inputs=None), cfg.calibration, seed=0)["served"]
+    assert "refit" not in plain and plain["pooled"]["auroc"] < served["pooled"]["auroc"] - 0.02
+    off = calibration_section(table, replace(cfg.calibration, refit=False), seed=0)["served"]
+    assert "refit" not in off and off["slope"] == pytest.approx(plain["slope"])
+
+
 def test_stage_end_to_end(setup):
     cfg = compose_cfg(setup)
     head = load_file(setup.drafter / "model.safetensors")
@@ -208,7 +239,17 @@ def test_stage_end_to_end(setup):
     assert len(cal["temperatures"]) == 4 and all(t > 0 for t in cal["temperatures"])
     # the served map, fitted on the fit half, is folded into the head vLLM loads, and recorded
     served = report["calibration"]["served"]
-    assert cal["folds"] == [{"slope": served["slope"], "intercept": served["intercept"]}] and served["slope"] > 0
+    # 4 fit conversations: too few to cross-validate a refit, so the plain map, and a zero correction
+    assert served["refit"]["l2"] is None and served["refit"]["cv_nll"] == {}
+    assert not any(served["refit"]["weight_delta"]) and served["refit"]["bias_delta"] == 0.0
+    assert cal["folds"] == [
+        {
+            "slope": served["slope"],
+            "intercept": served["intercept"],
+            "refit": {"l2": None, "weight_delta_norm": 0.0, "bias_delta": 0.0},
+        }
+    ]
+    assert served["slope"] > 0
     folded = load_file(setup.drafter / "model.safetensors")
     w, b = (head[f"confidence_head.proj.{k}"].double() for k in ("weight", "bias"))
     torch.testing.assert_close(
@@ -253,9 +294,9 @@ def test_each_fold_is_recorded_for_the_weights_it_made(setup, tmp_path):
     trained = load_file(drafter / "model.safetensors")
     draft = load_drafter(drafter)
 
-    def fold(slope, intercept):
+    def fold(slope, intercept, refit=None):
         calibration = {
-            "served": {"slope": slope, "intercept": intercept, "pooled": {"ece": 0.1}},
+            "served": {"slope": slope, "intercept": intercept, "pooled": {"ece": 0.1}, **(refit or {})},
             "temperatures": [1.0] * 4,
             "fit_samples": 4,
             "before": {"pooled": {"ece": 0.2}},
@@ -281,6 +322,18 @@ def test_each_fold_is_recorded_for_the_weights_it_made(setup, tmp_path):
     draft = load_drafter(drafter)
     record, _ = fold(0.8, 0.1)
     assert record["folds"] == [{"slope": 0.8, "intercept": 0.1}]
+    # a refit's correction: w → a·w + δ, b → a·b + c + d, recorded by its size
+    w, b = (load_file(drafter / "model.safetensors")[f"confidence_head.proj.{k}"].double() for k in ("weight", "bias"))
+    delta = torch.linspace(-0.5, 0.5, w.shape[1], dtype=torch.float64)
+    refit = {"refit": {"l2": 0.01, "cv_nll": {}, "weight_delta": delta.tolist(), "bias_delta": 0.25}}
+    record, head = fold(0.5, -0.2, refit)
+    assert record["folds"][-1] == {
+        "slope": 0.5,
+        "intercept": -0.2,
+        "refit": {"l2": 0.01, "weight_delta_norm": pytest.approx(float(delta.norm())), "bias_delta": 0.25},
+    }
+    torch.testing.assert_close(head["confidence_head.proj.weight"].double(), 0.5 * w + delta, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(head["confidence_head.proj.bias"].double(), 0.5 * b - 0.2 + 0.25, rtol=1e-6, atol=1e-6)
 
 
 def test_drafter_for_another_verifier(setup, tmp_path):
