@@ -322,7 +322,6 @@ def refit_served_head(
         for l2 in candidates:
             total, count = 0.0, 0
             for k in range(folds):
-                bar.update()
                 train, test = block_fold != k, block_fold == k
                 if l2 is None:
                     a, c = fit_served_scaling(conf_logits[train], alpha[train], mask[train])
@@ -334,6 +333,7 @@ def refit_served_head(
                 label = prefix_survival(alpha[test], mask[test])[mask[test]]
                 total += nll(pred, label) * pred.size
                 count += pred.size
+                bar.update()  # a fit counts once it is scored
             cv["none" if l2 is None else repr(l2)] = total / max(count, 1)
         bar.close()
         best = min(candidates, key=lambda l2: cv["none" if l2 is None else repr(l2)])
