@@ -6,8 +6,9 @@ on the same half buys: `eval.calibration.refit_served_head` keeps the trained he
 and adds a ridge-penalized linear correction on the features the head reads (its strength, or none,
 cross-validated over the fit half's conversations). Both maps are scored on the other half, with
 the per-position AUROC, the pooled ECE and NLL, and the drafts the verification budget spares, each
-difference paired and its SE a bootstrap over the scored conversations. A threshold picked on the fit
-half carries over to the scored half with some τ loss of its own, which differs between the maps, so
+difference paired and its SE a bootstrap over the scored conversations. Each budget's threshold is
+picked on the fit half as `make eval` picks it: on the refit's out-of-fold logits, on the plain map's
+own. A threshold picked on the fit half carries over to the scored half with some τ loss of its own, which differs between the maps, so
 `at_equal_tau_loss` also compares the drafts spared at the threshold each map needs on the scored half
 itself to lose the same τ (the ranking alone; its SE holds those thresholds fixed).
 
@@ -76,10 +77,20 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
     logits = {"served": slope * z + intercept, "refit": cal.head_logits(z, x, refit)}
     conversations, bound = table.sample_id[scored], ecfg.calibration.max_tau_loss
     heads, budgets, matched_heads, matched_loss = {}, {}, {}, {}
+    # each threshold is picked on the fit half as `make eval` picks it: the refit's out-of-fold logits
+    # (where it was cross-validated), the plain map's own
+    on_fit = {"served": logits["served"][fit], "refit": refit["out_of_fold"]}
+    if on_fit["refit"] is None:
+        on_fit["refit"] = logits["refit"][fit]
     for name, lg in logits.items():
         own = (lg[scored], alpha[scored], mask[scored])
         budgets[name] = cal.verification_budget(
-            (lg[fit], alpha[fit], mask[fit]), own, None, bound, scored_conversations=conversations, seed=heldout.seed
+            (on_fit[name], alpha[fit], mask[fit]),
+            own,
+            None,
+            bound,
+            scored_conversations=conversations,
+            seed=heldout.seed,
         )
         heads[name] = (lg[scored], _verified(lg[scored], mask[scored], budgets[name]))
         # the threshold each map would need on the scored half itself to lose the same τ: drafts spared
@@ -101,6 +112,7 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
         "scored_conversations": int(np.unique(table.sample_id[scored]).size),
         "served_map": {"slope": slope, "intercept": intercept},
         "refit": {
+            "threshold_on": "fit half, out of fold" if refit["out_of_fold"] is not None else "fit half",
             "l2": refit["l2"],
             "cv_nll": refit["cv_nll"],
             "slope": refit["slope"],

@@ -296,6 +296,12 @@ def head_logits(conf_logits: np.ndarray, features: np.ndarray, refit: dict) -> n
     return refit["slope"] * np.asarray(conf_logits, np.float64) + refit["intercept"] + correction
 
 
+def plain_map(conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np.ndarray, dim: int) -> dict:
+    """`fit_served_scaling`'s slope and intercept as a refit with no correction (features of `dim`)."""
+    slope, intercept = fit_served_scaling(conf_logits, alpha, slot_mask)
+    return {"slope": slope, "intercept": intercept, "weight_delta": np.zeros(dim), "bias_delta": 0.0}
+
+
 def refit_served_head(
     conf_logits: np.ndarray,
     alpha: np.ndarray,
@@ -310,41 +316,46 @@ def refit_served_head(
     lowest over `folds` folds of whole conversations (`conversations` [n]), refitted on every block.
 
     Returns the map ({slope, intercept, weight_delta, bias_delta}; a zero correction for the plain map),
-    the chosen `l2` and `cv_nll` per candidate. Under 2 conversations per fold the plain map is kept."""
+    the chosen `l2`, `cv_nll` per candidate and `out_of_fold` [n, B]: each block's logits under the
+    chosen candidate fitted without its fold, what a threshold picked on these blocks must read (the
+    final map has seen them, and its logits there are optimistic). Under 2 conversations per fold the
+    plain map is kept, with no cross-validation and `out_of_fold` None."""
     mask = np.asarray(slot_mask, bool)
+    dim = features.shape[-1]
     ids = np.random.default_rng(seed).permutation(np.unique(conversations))
     fold_of = dict(zip(ids.tolist(), np.arange(ids.size) % folds))
     block_fold = np.array([fold_of[c] for c in np.asarray(conversations).tolist()], dtype=int)
     candidates: list[float | None] = [None, *l2_grid]
     cv: dict = {}
+    out_of_fold: dict = {}
     if ids.size >= 2 * folds:
         bar = tqdm(total=len(candidates) * folds, desc="refit cross-validation", unit="fit")
         for l2 in candidates:
             total, count = 0.0, 0
+            held = np.zeros(mask.shape, np.float64)
             for k in range(folds):
                 train, test = block_fold != k, block_fold == k
                 if l2 is None:
-                    a, c = fit_served_scaling(conf_logits[train], alpha[train], mask[train])
-                    logits = a * np.asarray(conf_logits[test], np.float64) + c
+                    part = plain_map(conf_logits[train], alpha[train], mask[train], dim)
                 else:
                     part = fit_head_refit(conf_logits[train], alpha[train], mask[train], features[train], l2)
-                    logits = head_logits(conf_logits[test], features[test], part)
-                pred = prefix_survival(sigmoid(logits), mask[test])[mask[test]]
+                held[test] = head_logits(conf_logits[test], features[test], part)
+                pred = prefix_survival(sigmoid(held[test]), mask[test])[mask[test]]
                 label = prefix_survival(alpha[test], mask[test])[mask[test]]
                 total += nll(pred, label) * pred.size
                 count += pred.size
                 bar.update()  # a fit counts once it is scored
-            cv["none" if l2 is None else repr(l2)] = total / max(count, 1)
+            key = "none" if l2 is None else repr(l2)
+            cv[key], out_of_fold[key] = total / max(count, 1), held
         bar.close()
         best = min(candidates, key=lambda l2: cv["none" if l2 is None else repr(l2)])
     else:
         best = None
     if best is None:
-        a, c = fit_served_scaling(conf_logits, alpha, mask)
-        fitted = {"slope": a, "intercept": c, "weight_delta": np.zeros(features.shape[-1]), "bias_delta": 0.0}
+        fitted = plain_map(conf_logits, alpha, mask, dim)
     else:
         fitted = fit_head_refit(conf_logits, alpha, mask, features, best)
-    return {**fitted, "l2": best, "cv_nll": cv}
+    return {**fitted, "l2": best, "cv_nll": cv, "out_of_fold": out_of_fold.get("none" if best is None else repr(best))}
 
 
 def _truncated(keep: np.ndarray, label: np.ndarray) -> tuple[float, float]:

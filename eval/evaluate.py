@@ -125,6 +125,14 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
             return cal.head_logits(split.conf_logits, split.head_inputs, refit), split.alpha, split.slot_mask
         return slope * np.asarray(split.conf_logits, np.float64) + intercept, split.alpha, split.slot_mask
 
+    # the served budget's threshold is picked on the fit half as the map reads it there: a refit's
+    # out-of-fold logits where it was cross-validated (its own logits on blocks it was fitted on
+    # flatter it, and the threshold would carry over to new conversations with more τ lost)
+    if refit is not None and refit["out_of_fold"] is not None:
+        fit_served = (refit["out_of_fold"], fit.alpha, fit.slot_mask)
+    else:
+        fit_served = served(fit)
+
     def budget(fit_split: tuple, scored_split: tuple, temperatures: list[float] | None) -> dict:
         return cal.verification_budget(
             fit_split, scored_split, temperatures, cfg.max_tau_loss, scored_conversations=scored.sample_id, seed=seed
@@ -145,7 +153,7 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
             "intercept": intercept,
             **({} if refit is None else {"refit": refit_record(refit)}),
             **cal.confidence_quality(*served(scored), None, cfg.n_bins),
-            "budget": budget(served(fit), served(scored), None),
+            "budget": budget(fit_served, served(scored), None),
         },
         "budget": budget(
             (fit.conf_logits, fit.alpha, fit.slot_mask), (scored.conf_logits, scored.alpha, scored.slot_mask), temps

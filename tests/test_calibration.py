@@ -202,6 +202,34 @@ def test_the_refit_keeps_the_plain_map_where_features_add_nothing_or_data_is_sho
     assert not short["weight_delta"].any() and short["bias_delta"] == 0.0
 
 
+def test_the_refit_gives_each_block_its_logits_from_the_fit_without_its_fold():
+    """`out_of_fold` for a block is the chosen candidate fitted on the other folds' conversations (the
+    folds rebuilt here from the documented rule: a seeded permutation of the conversations dealt
+    round-robin); its pooled NLL is the candidate's `cv_nll`; on the blocks it was fitted on, the final
+    map's own logits score better than these (what a threshold picked there must not read)."""
+    z, x, alpha, mask, conv = refit_case(n=1200, dim=12)
+    fitted = cal.refit_served_head(z, alpha, mask, x, conv, seed=3)
+    held = fitted["out_of_fold"]
+    assert held.shape == z.shape and fitted["l2"] is not None
+    ids = np.random.default_rng(3).permutation(np.unique(conv))
+    fold = dict(zip(ids.tolist(), np.arange(ids.size) % cal.REFIT_FOLDS))
+    block_fold = np.array([fold[c] for c in conv.tolist()])
+    for k in range(cal.REFIT_FOLDS):
+        test = block_fold == k
+        part = cal.fit_head_refit(z[~test], alpha[~test], mask[~test], x[~test], fitted["l2"])
+        np.testing.assert_allclose(held[test], cal.head_logits(z[test], x[test], part), rtol=1e-6, atol=1e-6)
+
+    def pooled_nll(logits):
+        pred = cal.prefix_survival(cal.sigmoid(logits), mask)[mask]
+        return cal.nll(pred, cal.prefix_survival(alpha, mask)[mask])
+
+    assert pooled_nll(held) == pytest.approx(fitted["cv_nll"][repr(fitted["l2"])], rel=1e-9)
+    assert pooled_nll(cal.head_logits(z, x, fitted)) < pooled_nll(held)
+
+    few = cal.refit_served_head(z[:70], alpha[:70], mask[:70], x[:70], conv[:70], seed=0)
+    assert few["out_of_fold"] is None  # no cross-validation, nothing held out
+
+
 def test_folding_the_map_into_the_head_serves_it_and_leaves_the_rest(tmp_path):
     """sigmoid of the folded head's logit is sigmoid(a·(w·x + b) + c) on any input; every other tensor,
     and the file's metadata, stay as they were."""

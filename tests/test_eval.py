@@ -221,6 +221,18 @@ def test_calibration_section_serves_the_refit_it_reports(setup):
     off = calibration_section(table, replace(cfg.calibration, refit=False), seed=0)["served"]
     assert "refit" not in off and off["slope"] == pytest.approx(plain["slope"])
 
+    # the served budget's threshold is the one picked on the refit's out-of-fold logits of the fit half
+    fit = np.isin(ids, fit_ids)
+    redone = cal.refit_served_head(z[fit], alpha[fit], mask[fit], x[fit].astype(np.float32), ids[fit], seed=0)
+    scored = (cal.head_logits(z[rows], x[rows].astype(np.float32), redone), alpha[rows], mask[rows])
+    bound = cfg.calibration.max_tau_loss
+    honest = cal.verification_budget((redone["out_of_fold"], alpha[fit], mask[fit]), scored, None, bound)
+    flattered = cal.verification_budget(
+        (cal.head_logits(z[fit], x[fit], redone), alpha[fit], mask[fit]), scored, None, bound
+    )
+    assert served["budget"]["confidence"]["setting"] == pytest.approx(honest["confidence"]["setting"])
+    assert honest["confidence"]["setting"] != pytest.approx(flattered["confidence"]["setting"])
+
 
 def test_stage_end_to_end(setup):
     cfg = compose_cfg(setup)
