@@ -95,7 +95,7 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
         heads[name] = (lg[scored], _verified(lg[scored], mask[scored], budgets[name]))
         # the threshold each map would need on the scored half itself to lose the same τ: drafts spared
         # at an equal τ loss, whatever either map's threshold carries over from the fit half
-        matched = cal.verification_budget(own, own, None, bound)
+        matched = cal.verification_budget(own, own, None, bound, schedules=("confidence",))
         matched_heads[name] = (lg[scored], _verified(lg[scored], mask[scored], matched))
         matched_loss[name] = matched["confidence"]["tau_loss"]
     n_bins = ecfg.calibration.n_bins

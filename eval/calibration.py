@@ -418,6 +418,7 @@ def verification_budget(
     max_tau_loss: float,
     scored_conversations: np.ndarray | None = None,
     seed: int = 0,
+    schedules: tuple[str, ...] = SCHEDULES,
 ) -> dict:
     """Draft tokens a schedule spares the verifier at a bounded loss of acceptance length.
 
@@ -431,7 +432,8 @@ def verification_budget(
     With `scored_conversations` (the conversation of each scored block [n]) every schedule's `saved`
     and `tau_loss` get a standard error (`saved_se`, `tau_loss_se`: a bootstrap over the scored
     conversations, `BOOTSTRAP_ROUNDS` resamples from `seed`, the settings held fixed), and
-    `confidence_vs_fixed` is the head's paired lead over the fixed budget in drafts saved."""
+    `confidence_vs_fixed` is the head's paired lead over the fixed budget in drafts saved (where both
+    are among `schedules`, the ones computed)."""
 
     def parts(split):
         logits, alpha, slot_mask = split
@@ -443,7 +445,7 @@ def verification_budget(
     full_tau, full_sent = _truncated(scored_parts[2], scored_parts[1])
     out = {"max_tau_loss": max_tau_loss, "all_slots": {"tau": full_tau, "sent": full_sent}}
     kept = {}
-    for name in SCHEDULES:
+    for name in schedules:
         # the setting sending the fewest drafts on the fit samples within the loss (verifying every
         # slot always is), then applied as it is to the scored samples
         tried = [
@@ -477,6 +479,8 @@ def _budget_errors(out: dict, kept: dict, scored_parts: tuple, conversations: np
     for name in kept:
         tau_loss = 1.0 - (1.0 + sums[f"{name}.accepted"] / sums["blocks"]) / full_tau
         out[name]["tau_loss_se"], out[name]["saved_se"] = float(tau_loss.std(ddof=1)), float(saved[name].std(ddof=1))
+    if not {"confidence", "fixed"} <= kept.keys():
+        return
     lead = saved["confidence"] - saved["fixed"]
     out["confidence_vs_fixed"] = {
         "saved": out["confidence"]["saved"] - out["fixed"]["saved"],

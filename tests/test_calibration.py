@@ -314,6 +314,21 @@ def test_verification_budget_picks_on_fit_and_reports_on_scored():
     assert out["confidence"]["tau_loss"] > 0.01
 
 
+def test_verification_budget_computes_only_the_schedules_asked():
+    """`schedules` leaves the others out (and the lead over the fixed budget, which needs both); what
+    it computes is what the full call gives, SEs included."""
+    rng = np.random.default_rng(2)
+    alpha = rng.beta(2, 3, size=(200, 4))
+    mask = np.arange(4)[None] < rng.integers(1, 5, size=(200, 1))
+    data = (rng.normal(size=alpha.shape) + logit(np.clip(alpha, 1e-6, 1 - 1e-6)), alpha, mask)
+    conversations = np.arange(200) // 5
+    full = cal.verification_budget(data, data, None, 0.02, scored_conversations=conversations)
+    one = cal.verification_budget(data, data, None, 0.02, scored_conversations=conversations, schedules=("confidence",))
+    assert set(one) == {"max_tau_loss", "all_slots", "confidence"}
+    assert one["confidence"] == pytest.approx(full["confidence"])
+    assert "confidence_vs_fixed" in full
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verification_budget_ranks_schedules(seed):
     """On random blocks (ragged masks): a head equal to the acceptance saves what the oracle saves;
