@@ -8,8 +8,8 @@ cross-validated over the fit half's conversations). Both maps are scored on the 
 the per-position AUROC, the pooled ECE and NLL, and the drafts the verification budget spares, each
 difference paired and its SE a bootstrap over the scored conversations. Each budget's threshold is
 picked on the fit half as `make eval` picks it: on the refit's out-of-fold logits, on the plain map's
-own. A threshold picked on the fit half carries over to the scored half with some τ loss of its own, which differs between the maps, so
-`at_equal_tau_loss` also compares the drafts spared at the threshold each map needs on the scored half
+own. A threshold picked on the fit half carries over to the scored half with some τ loss of its own,
+which differs between the maps, so `at_equal_tau_loss` also compares the drafts spared at the threshold each map needs on the scored half
 itself to lose the same τ (the ranking alone; its SE holds those thresholds fixed).
 
     python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]

@@ -128,10 +128,8 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
     # the served budget's threshold is picked on the fit half as the map reads it there: a refit's
     # out-of-fold logits where it was cross-validated (its own logits on blocks it was fitted on
     # flatter it, and the threshold would carry over to new conversations with more τ lost)
-    if refit is not None and refit["out_of_fold"] is not None:
-        fit_served = (refit["out_of_fold"], fit.alpha, fit.slot_mask)
-    else:
-        fit_served = served(fit)
+    out_of_fold = refit is not None and refit["out_of_fold"] is not None
+    fit_served = (refit["out_of_fold"], fit.alpha, fit.slot_mask) if out_of_fold else served(fit)
 
     def budget(fit_split: tuple, scored_split: tuple, temperatures: list[float] | None) -> dict:
         return cal.verification_budget(
@@ -153,7 +151,10 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
             "intercept": intercept,
             **({} if refit is None else {"refit": refit_record(refit)}),
             **cal.confidence_quality(*served(scored), None, cfg.n_bins),
-            "budget": budget(fit_served, served(scored), None),
+            "budget": {
+                **budget(fit_served, served(scored), None),
+                "threshold_on": "fit samples, out of fold" if out_of_fold else "fit samples",
+            },
         },
         "budget": budget(
             (fit.conf_logits, fit.alpha, fit.slot_mask), (scored.conf_logits, scored.alpha, scored.slot_mask), temps

@@ -231,6 +231,8 @@ def test_calibration_section_serves_the_refit_it_reports(setup):
         (cal.head_logits(z[fit], x[fit], redone), alpha[fit], mask[fit]), scored, None, bound
     )
     assert served["budget"]["confidence"]["setting"] == pytest.approx(honest["confidence"]["setting"])
+    assert served["budget"]["threshold_on"] == "fit samples, out of fold"
+    assert off["budget"]["threshold_on"] == "fit samples"
     assert honest["confidence"]["setting"] != pytest.approx(flattered["confidence"]["setting"])
 
 
