@@ -9,8 +9,9 @@ the per-position AUROC, the pooled ECE and NLL, and the drafts the verification 
 difference paired and its SE a bootstrap over the scored conversations. Each budget's threshold is
 picked on the fit half as `make eval` picks it: on the refit's out-of-fold logits, on the plain map's
 own. A threshold picked on the fit half carries over to the scored half with some τ loss of its own,
-which differs between the maps, so `at_equal_tau_loss` also compares the drafts spared at the threshold each map needs on the scored half
-itself to lose the same τ (the ranking alone; its SE holds those thresholds fixed).
+which differs between the maps, so `at_equal_tau_loss` also compares the drafts spared at the threshold
+each map needs on the scored half itself to lose the same τ (the ranking alone; its SE holds those
+thresholds fixed).
 
     python -m bench.confidence_refit drafter=DIR bench_data=NAME out=FILE.json [eval overrides]
 """
@@ -77,11 +78,8 @@ def refit_figures(drafter: str, overrides: list[str]) -> dict:
     logits = {"served": slope * z + intercept, "refit": cal.head_logits(z, x, refit)}
     conversations, bound = table.sample_id[scored], ecfg.calibration.max_tau_loss
     heads, budgets, matched_heads, matched_loss = {}, {}, {}, {}
-    # each threshold is picked on the fit half as `make eval` picks it: the refit's out-of-fold logits
-    # (where it was cross-validated), the plain map's own
-    on_fit = {"served": logits["served"][fit], "refit": refit["out_of_fold"]}
-    if on_fit["refit"] is None:
-        on_fit["refit"] = logits["refit"][fit]
+    # each threshold is picked on the fit half as `make eval` picks it
+    on_fit = {"served": logits["served"][fit], "refit": cal.threshold_logits(refit, logits["refit"][fit])}
     for name, lg in logits.items():
         own = (lg[scored], alpha[scored], mask[scored])
         budgets[name] = cal.verification_budget(

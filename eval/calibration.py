@@ -302,6 +302,11 @@ def plain_map(conf_logits: np.ndarray, alpha: np.ndarray, slot_mask: np.ndarray,
     return {"slope": slope, "intercept": intercept, "weight_delta": np.zeros(dim), "bias_delta": 0.0}
 
 
+def _candidate(l2: float | None) -> str:
+    """A ridge strength's key in `refit_served_head`'s `cv_nll` ("none": the plain map)."""
+    return "none" if l2 is None else repr(l2)
+
+
 def refit_served_head(
     conf_logits: np.ndarray,
     alpha: np.ndarray,
@@ -345,17 +350,25 @@ def refit_served_head(
                 total += nll(pred, label) * pred.size
                 count += pred.size
                 bar.update()  # a fit counts once it is scored
-            key = "none" if l2 is None else repr(l2)
-            cv[key], out_of_fold[key] = total / max(count, 1), held
+            cv[_candidate(l2)], out_of_fold[_candidate(l2)] = total / max(count, 1), held
         bar.close()
-        best = min(candidates, key=lambda l2: cv["none" if l2 is None else repr(l2)])
+        best = min(candidates, key=lambda l2: cv[_candidate(l2)])
     else:
         best = None
     if best is None:
         fitted = plain_map(conf_logits, alpha, mask, dim)
     else:
         fitted = fit_head_refit(conf_logits, alpha, mask, features, best)
-    return {**fitted, "l2": best, "cv_nll": cv, "out_of_fold": out_of_fold.get("none" if best is None else repr(best))}
+    return {**fitted, "l2": best, "cv_nll": cv, "out_of_fold": out_of_fold.get(_candidate(best))}
+
+
+def threshold_logits(refit: dict | None, own: np.ndarray) -> np.ndarray:
+    """The fit samples' logits a verification budget's threshold is picked on: a refit's out-of-fold
+    logits where it was cross-validated (its own logits on the samples it was fitted on flatter it, and
+    the threshold would carry over to new conversations with more τ lost), else the map's `own` [n, B]."""
+    if refit is not None and refit["out_of_fold"] is not None:
+        return refit["out_of_fold"]
+    return own
 
 
 def _truncated(keep: np.ndarray, label: np.ndarray) -> tuple[float, float]:

@@ -125,11 +125,8 @@ def calibration_section(table: BlockTable, cfg: CalibrationConfig, seed: int) ->
             return cal.head_logits(split.conf_logits, split.head_inputs, refit), split.alpha, split.slot_mask
         return slope * np.asarray(split.conf_logits, np.float64) + intercept, split.alpha, split.slot_mask
 
-    # the served budget's threshold is picked on the fit half as the map reads it there: a refit's
-    # out-of-fold logits where it was cross-validated (its own logits on blocks it was fitted on
-    # flatter it, and the threshold would carry over to new conversations with more τ lost)
     out_of_fold = refit is not None and refit["out_of_fold"] is not None
-    fit_served = (refit["out_of_fold"], fit.alpha, fit.slot_mask) if out_of_fold else served(fit)
+    fit_served = (cal.threshold_logits(refit, served(fit)[0]), fit.alpha, fit.slot_mask)
 
     def budget(fit_split: tuple, scored_split: tuple, temperatures: list[float] | None) -> dict:
         return cal.verification_budget(
