@@ -368,6 +368,14 @@ def _decode(dec: dict) -> list[str]:
         "verifier answers to the same prompts sampled at temperature 1.",
         "",
     ]
+    costs = dec.get("adaptive_costs")
+    if costs:
+        verify = ", ".join(f"{v:.3g}" for v in costs["verify_ms"][1:])
+        out += [
+            f"Adaptive verification's step costs ({costs['source']}): a draft step {costs['draft_ms']:.3g} ms, "
+            f"a verifier forward of 1..{len(costs['verify_ms']) - 1} tokens {verify} ms.",
+            "",
+        ]
     taus = dec.get("offline_tau") or {}
     rows = []
     for r in dec["runs"]:

@@ -147,6 +147,10 @@ class DecodeConfig(Checked):
     """Prompts decoded together."""
     profile_replays: int
     """Timed replays per forward shape for the adaptive-verification cost model (vLLM profiles too)."""
+    step_costs: dict[str, Any] | None
+    """Adaptive verification's step costs: null = profiled on this machine, as vLLM profiles them;
+    or `{draft_ms: x, verify_ms: [v1, ..., v_B+1]}` (ms of one draft step and of a verifier forward
+    of 1..B+1 tokens), e.g. the serving GPU's, to see on any machine what its rule does there."""
     seed: int
     """Seed of the sampling runs and of the comparison answers."""
     device: str
@@ -158,6 +162,21 @@ class DecodeConfig(Checked):
         temps = self.temperatures
         if not temps or any(not isinstance(t, int | float) or t < 0 for t in temps) or len(set(temps)) < len(temps):
             self.refuse("temperatures", "must be a non-empty list of distinct values >= 0")
+        if self.step_costs is not None:
+            costs = dict(self.step_costs)
+            draft, verify = costs.pop("draft_ms", None), costs.pop("verify_ms", None)
+            if (
+                costs
+                or not isinstance(draft, int | float)
+                or draft < 0
+                or not isinstance(verify, list | tuple)
+                or len(verify) < 2
+                or any(not isinstance(v, int | float) or v <= 0 for v in verify)
+            ):
+                self.refuse(
+                    "step_costs",
+                    "must be null or {draft_ms: >= 0, verify_ms: [ms of verifying 1, 2, ..., B+1 tokens, each > 0]}",
+                )
 
 
 @dataclass

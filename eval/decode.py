@@ -232,7 +232,11 @@ def run_decode(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig, heldout
         "prompts": {name: len(p) for name, p in sets.items()},
         "adaptive_costs": None
         if costs is None
-        else {"draft_ms": costs.draft_ms, "verify_ms": costs.verify_ms.tolist()},
+        else {
+            "draft_ms": costs.draft_ms,
+            "verify_ms": costs.verify_ms.tolist(),
+            "source": f"profiled on {device}" if cfg.decode.step_costs is None else "given (eval.decode.step_costs)",
+        },
         "runs": summaries,
         "offline_tau": taus,
         "offline_tau_on_outputs": on_outputs,

@@ -155,12 +155,26 @@ def profile_costs(engine: SpeculativeDecoder, prompt: list[int], replays: int) -
     return CostModel(draft_ms, np.maximum.accumulate(np.array(verify_ms)))
 
 
+def given_costs(step_costs: dict, block_size: int) -> CostModel:
+    """`eval.decode.step_costs` as a CostModel, refused unless it prices verifying 1..B+1 tokens."""
+    verify = [float(v) for v in step_costs["verify_ms"]]
+    if len(verify) != block_size + 1:
+        raise UserError(
+            f"eval.decode.step_costs.verify_ms must price a verifier forward of 1..{block_size + 1} tokens "
+            f"(the drafter's block size is {block_size}), got {len(verify)} values"
+        )
+    return CostModel(float(step_costs["draft_ms"]), np.array([0.0, *verify]))
+
+
 def decode_runs(engine: SpeculativeDecoder, model, sets: dict[str, list[list[int]]], cfg: EvalConfig):
     """Every (prompt set, temperature, fixed/adaptive) run; greedy runs checked lossless."""
     dc = cfg.decode
     costs = None
     if dc.adaptive and engine.draft.confidence_head is not None:
-        costs = profile_costs(engine, next(iter(sets.values()))[0], dc.profile_replays)
+        if dc.step_costs is not None:
+            costs = given_costs(dc.step_costs, engine.block_size)
+        else:
+            costs = profile_costs(engine, next(iter(sets.values()))[0], dc.profile_replays)
     runs = []
     modes = [None] if costs is None else [None, costs]
     bar = tqdm(
@@ -232,6 +246,7 @@ __all__ = [
     "block_starts",
     "check_lossless",
     "decode_runs",
+    "given_costs",
     "hf_generate",
     "load_engine",
     "offline_tau",

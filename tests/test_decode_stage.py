@@ -13,7 +13,7 @@ from transformers import Qwen3ForCausalLM
 from dspark.config import load_section
 from dspark.errors import UserError
 from dspark.eval.config import DecodeConfig
-from dspark.eval.decode_runs import block_starts, check_lossless, hf_generate
+from dspark.eval.decode_runs import block_starts, check_lossless, decode_runs, hf_generate, load_engine, prompt_sets
 from dspark.eval.evaluate import evaluate_drafter
 from dspark.extract.config import ServerConfig
 
@@ -55,8 +55,11 @@ def test_report_files_and_card(decoded):
         if c["benchmark"] != "all":
             assert 1.0 <= c["offline_tau_on_outputs"] <= 1 + section["block_size"]
             assert c["gap_on_outputs"] == pytest.approx(c["decode_acceptance_length"] - c["offline_tau_on_outputs"])
+    assert section["adaptive_costs"]["source"] == "profiled on cpu"
+    assert len(section["adaptive_costs"]["verify_ms"]) == section["block_size"] + 2
     card = (setup.drafter / "README.md").read_text()
     assert "## Speculative decoding (transformers)" in card
+    assert "step costs (profiled on cpu)" in card
     assert f"{section['offline_tau']['all']['tau_mean_over_prompts']:.3f}" in card
 
 
@@ -72,6 +75,36 @@ def test_outputs_recheck_against_transformers(decoded):
         assert len(r["accepted_per_step"]) == r["verifier_forwards"] - 1
     sampled = [r["output_token_ids"] for r in rows if r["temperature"] == 1]
     assert all(len(s) == MAX_NEW for s in sampled)
+
+
+def given_costs_run(setup, verify_ms: list[float]):
+    """The adaptive greedy runs of one prompt per set under `eval.decode.step_costs` (no profiling)."""
+    cfg = compose_cfg(
+        setup,
+        "eval.decode.prompts_per_benchmark=1",
+        f"eval.decode.max_new_tokens={MAX_NEW}",
+        "eval.decode.temperatures=[0.0]",
+        f"eval.decode.step_costs={{draft_ms: 1.0, verify_ms: {verify_ms}}}",
+    )
+    target, eval_cfg, _ = configs(cfg)
+    engine, model, tokenizer, max_len = load_engine(setup.drafter, target, torch.device("cpu"))
+    sets = prompt_sets(eval_cfg, tokenizer, max_len - MAX_NEW)
+    runs, costs = decode_runs(engine, model, sets, eval_cfg)  # greedy runs are checked lossless inside
+    return engine.block_size, [o for r in runs if r.adaptive for o in r.outputs], costs
+
+
+def test_given_step_costs_set_the_adaptive_budget(decoded):
+    """Costs from the config drive vLLM's rule: when verifying more tokens costs nothing more every step
+    sends the whole block; when a second verified token costs 1,000x the first, no step sends a draft."""
+    setup, _ = decoded
+    flat_B, flat, costs = given_costs_run(setup, [5.0] * 5)
+    assert costs.draft_ms == 1.0 and costs.verify_ms.tolist() == [0.0] + [5.0] * 5
+    assert {d for o in flat for d in o.drafted_per_step} == {flat_B}
+    _, steep, _ = given_costs_run(setup, [1.0, 1000.0, 2000.0, 3000.0, 4000.0])
+    assert {d for o in steep for d in o.drafted_per_step} == {0}
+    assert all(sum(o.accepted_per_step) == 0 for o in steep)
+    with pytest.raises(UserError, match=r"verify_ms must price a verifier forward of 1\.\.5 tokens.*got 3"):
+        given_costs_run(setup, [1.0, 2.0, 3.0])
 
 
 def test_block_starts_follow_the_accepted_drafts():
@@ -95,6 +128,10 @@ def test_lossless_violation_names_prompt_and_position():
         ("temperatures", [-1.0], ">= 0"),
         ("max_new_tokens", 0, ">= 1"),
         ("device", "tpu", "one of"),
+        ("step_costs", {"draft_ms": 1.0}, "verify_ms"),
+        ("step_costs", {"draft_ms": -1.0, "verify_ms": [1.0, 2.0]}, "draft_ms: >= 0"),
+        ("step_costs", {"draft_ms": 1.0, "verify_ms": [1.0, 0.0]}, "each > 0"),
+        ("step_costs", {"draft_ms": 1.0, "verify_ms": [1.0, 2.0], "prefill_ms": 3.0}, "must be null or"),
     ],
 )
 def test_decode_config_refuses(field, value, message):
@@ -108,6 +145,7 @@ def test_decode_config_refuses(field, value, message):
         offline_tau=True,
         batch_size=2,
         profile_replays=1,
+        step_costs=None,
         seed=0,
         device="cpu",
     )
