@@ -93,6 +93,10 @@ def main(out_dir: Path) -> dict:
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
         "rounds": ROUNDS,
+        # what the adaptive runs' budget rule weighed, profiled here: `eval.decode.step_costs` takes it
+        "adaptive_costs": None
+        if costs is None
+        else {"draft_ms": costs.draft_ms, "verify_ms": costs.verify_ms[1:].tolist()},
         "runs": rows,
     }
     return write_figures(out_dir, "decode", figures)
