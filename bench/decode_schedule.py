@@ -1,0 +1,193 @@
+"""What the confidence head's schedule spares when decoding: vLLM's adaptive verification against fixed
+draft budgets, on a lever benchmark's held-out prompts, with the head as `make eval` serves it.
+
+The offline verification budget (`make eval`'s report) reads the head's confidence for the block it
+verifies. vLLM reads it one step stale (the previous draft's survivals budget this step's), and decoding
+anchors blocks where the last step stopped, so what the head spares when served is measured here with
+`eval.decode`'s engine, which follows vLLM's proposer:
+
+1. a copy of the drafter is calibrated by `make eval`'s offline pass (the served map, and the refit
+   where it is on, folded into its head, fitted on the fit half of the held-out conversations);
+2. prompts of the other half (the scored conversations, `per_benchmark` of each benchmark) are decoded
+   greedily under each schedule: every fixed budget of k = 1..B drafts a step, and the budget rule under
+   verify costs linear in the tokens verified, 1 + r·n, for each slope r of `slopes` (free drafts: the
+   rule's trade-off is the drafts' verification alone). Greedy decoding gives the same text under every
+   schedule, checked token for token against transformers' greedy decoding, so the schedules are paired
+   prompt by prompt and differ only in how many drafts each step sends;
+3. per schedule: the acceptance length (tokens per verifier forward), drafts sent per step, the loss of
+   acceptance length and the drafts spared against the full block, each with a bootstrap SE over
+   prompts; and at most `max_loss` acceptance length lost, the most any head schedule spares against
+   the most any fixed budget spares (schedules chosen on these prompts; the SE holds them fixed).
+
+Greedy acceptance is of the verifier's argmax, while the head is trained and calibrated on the
+temperature-1 acceptance, so the rule's slope for a given share of drafts differs from vLLM's at T=1;
+the comparison is of the schedules' trade-off curves, which the slopes trace.
+
+    python -m bench.decode_schedule drafter=DIR bench_data=NAME out=FILE.json [per_benchmark=8]
+        [max_new_tokens=96] [slopes=0.005,0.01,...] [eval overrides]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
+from dspark.entry import script_main
+
+USAGE = (
+    "python -m bench.decode_schedule drafter=DIR bench_data=NAME out=FILE.json [per_benchmark=8] "
+    "[max_new_tokens=96] [slopes=r1,r2,...] [eval overrides]"
+)
+SLOPES = (0.005, 0.01, 0.02, 0.03, 0.05, 0.1)
+ROUNDS = 1000  # prompt resamples behind each SE
+
+
+def fixed_costs(k: int, block_size: int):
+    """A CostModel under which the budget rule sends k drafts every step: verifying up to 1+k tokens
+    costs the same, more costs far more."""
+    from dspark.eval.speculative import CostModel
+
+    return CostModel(0.0, np.array([0.0] + [1.0] * (k + 1) + [1e12] * (block_size - k)))
+
+
+def linear_costs(slope: float, block_size: int):
+    """Verifying n tokens costs 1 + slope·n; a draft step is free."""
+    from dspark.eval.speculative import CostModel
+
+    return CostModel(0.0, np.array([0.0] + [1.0 + slope * n for n in range(1, block_size + 2)]))
+
+
+def per_prompt(outputs) -> np.ndarray:
+    """[prompts, 3]: verifier steps, tokens they produced (accepted + one each), drafts sent."""
+    return np.array(
+        [
+            [len(o.accepted_per_step), sum(o.accepted_per_step) + len(o.accepted_per_step), sum(o.drafted_per_step)]
+            for o in outputs
+        ],
+        dtype=np.float64,
+    )
+
+
+def versus_full(runs: dict[str, np.ndarray], full: str, seed: int) -> dict:
+    """Each schedule's acceptance length, drafts per step, and against `full` (paired by prompt): the
+    relative loss of acceptance length and the share of drafts spared, with bootstrap SEs over prompts."""
+
+    def stats(rows: np.ndarray, base: np.ndarray) -> np.ndarray:
+        al, al_full = rows[:, 1].sum() / rows[:, 0].sum(), base[:, 1].sum() / base[:, 0].sum()
+        return np.array(
+            [al, rows[:, 2].sum() / rows[:, 0].sum(), 1 - al / al_full, 1 - rows[:, 2].sum() / base[:, 2].sum()]
+        )
+
+    n = len(runs[full])
+    draws = np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))
+    out = {}
+    for name, rows in runs.items():
+        point = stats(rows, runs[full])
+        se = np.std([stats(rows[d], runs[full][d]) for d in draws], axis=0, ddof=1)
+        keys = ("acceptance_length", "drafts_per_step", "acceptance_length_loss", "drafts_spared")
+        out[name] = {k: {"mean": float(m), "se": float(s)} for k, m, s in zip(keys, point, se)}
+    return out
+
+
+def best_within(table: dict, names: list[str], max_loss: float) -> str | None:
+    """The schedule of `names` sparing the most drafts with at most `max_loss` acceptance length lost."""
+    ok = [n for n in names if table[n]["acceptance_length_loss"]["mean"] <= max_loss]
+    return max(ok, key=lambda n: table[n]["drafts_spared"]["mean"]) if ok else None
+
+
+def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max_new: int, slopes) -> dict:
+    import hydra
+
+    from dspark.config import HeldoutConfig, TargetConfig, load_section
+    from dspark.entry import CONF_DIR
+    from dspark.eval.config import EvalConfig
+    from dspark.eval.decode_runs import check_lossless, hf_generate, load_engine, prompt_sets
+    from dspark.eval.evaluate import offline_sections, split_samples
+    from dspark.eval.offline import pick_device
+
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = hydra.compose(config_name="eval", overrides=[f"drafter={drafter}", "eval.bench_store=null", *overrides])
+    target, ecfg = load_section(TargetConfig, cfg, "target"), load_section(EvalConfig, cfg, "eval")
+    heldout = load_section(HeldoutConfig, cfg, "heldout")
+    rows = [json.loads(line) for line in (Path(ecfg.data_dir) / "eval.jsonl").read_text().splitlines() if line]
+    fit_ids, scored_ids = split_samples(
+        np.array([r["sample_id"] for r in rows]), ecfg.calibration.fit_fraction, heldout.seed
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        served = Path(tmp) / "drafter"
+        shutil.copytree(drafter, served)
+        offline, calibration, _, _ = offline_sections(served, target, ecfg, heldout)
+        if calibration is None or calibration["fit_samples"] != fit_ids.size:
+            raise RuntimeError("the served head's fit half is not the one the prompts were split by")
+        prompts_file = Path(tmp) / "scored.jsonl"
+        prompts_file.write_text(
+            "".join(json.dumps(r) + "\n" for r in rows if r["sample_id"] in set(scored_ids.tolist()))
+        )
+        ecfg.decode.prompts_file, ecfg.decode.prompts_per_benchmark = str(prompts_file), per_benchmark
+        engine, model, tokenizer, max_len = load_engine(served, target, pick_device(ecfg.decode.device))
+        sets = prompt_sets(ecfg, tokenizer, max_len - max_new)
+        B = engine.block_size
+        schedules = {f"fixed_{k}": fixed_costs(k, B) for k in range(1, B)} | {f"fixed_{B}": None}
+        schedules |= {f"head_r{r:g}": linear_costs(r, B) for r in slopes}
+        runs = {name: [] for name in schedules}
+        for benchmark, prompts in sets.items():
+            references = [hf_generate(model, p, max_new, 0.0) for p in prompts]
+            for name, costs in schedules.items():
+                print(f"  {benchmark}: {name}", flush=True)
+                outputs = []
+                for i in range(0, len(prompts), ecfg.decode.batch_size):
+                    outputs += engine.generate(prompts[i : i + ecfg.decode.batch_size], max_new, 0.0, 0, costs)
+                check_lossless(benchmark, prompts, [o.output_ids for o in outputs], references)
+                runs[name].append(per_prompt(outputs))
+    runs = {name: np.concatenate(parts) for name, parts in runs.items()}
+    table = versus_full(runs, f"fixed_{B}", heldout.seed)
+    max_loss = ecfg.calibration.max_tau_loss
+    head = best_within(table, [n for n in schedules if n.startswith("head")], max_loss)
+    fixed = best_within(table, [n for n in schedules if n.startswith("fixed")], max_loss)
+    lead = None
+    if head is not None and fixed is not None:
+        diff = versus_full({"head": runs[head], "fixed": runs[fixed]}, "fixed", heldout.seed)["head"]["drafts_spared"]
+        lead = {"head": head, "fixed": fixed, "spared_beyond_fixed": diff}
+    return {
+        "made": {**git_state(), "date": datetime.date.today().isoformat()},
+        "drafter": drafter,
+        "drafter_model_safetensors_sha256": file_fingerprint(f"{drafter}/model.safetensors"),
+        "eval_overrides": list(overrides),
+        "eval_store_fingerprint": store_fingerprint(ecfg.store),
+        "prompts": {name: len(p) for name, p in sets.items()},
+        "max_new_tokens": max_new,
+        "temperature": 0.0,
+        "block_size": B,
+        "served_head": {k: calibration["served"][k] for k in ("slope", "intercept")},
+        "offline": {"tau": offline["overall"]["tau"], "served_budget": calibration["served"]["budget"]},
+        "schedules": table,
+        "max_loss": max_loss,
+        "at_max_loss": lead,
+    }
+
+
+def main(argv: list[str]) -> int:
+    from bench import lever_data, write_figures
+
+    args, _, overrides = lever_data.report_args(argv, USAGE, frozenset({"per_benchmark", "max_new_tokens", "slopes"}))
+    slopes = [float(s) for s in args["slopes"].split(",")] if "slopes" in args else SLOPES
+    figures = schedule_figures(
+        args["drafter"], overrides, int(args.get("per_benchmark", 8)), int(args.get("max_new_tokens", 96)), slopes
+    )
+    out = Path(args["out"])
+    write_figures(out.parent, out.stem, figures)
+    for name, row in figures["schedules"].items():
+        cells = "  ".join(f"{k} {v['mean']:.4f} ± {v['se']:.4f}" for k, v in row.items())
+        print(f"{name:<12} {cells}")
+    print(f"at ≤ {figures['max_loss']:.0%} loss: {figures['at_max_loss']}")
+    return 0
+
+
+if __name__ == "__main__":
+    script_main(main)
