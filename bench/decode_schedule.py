@@ -17,7 +17,9 @@ anchors blocks where the last step stopped, so what the head spares when served 
 3. per schedule: the acceptance length (tokens per verifier forward), drafts sent per step, the loss of
    acceptance length and the drafts spared against the full block, each with a bootstrap SE over
    prompts; and at most `max_loss` acceptance length lost, the most any head schedule spares against
-   the most any fixed budget spares (schedules chosen on these prompts; the SE holds them fixed).
+   the most any fixed budget spares (schedules chosen on these prompts; the SE holds them fixed); and for
+   every head schedule, what it spares beyond the fixed budgets' curve at its own loss (two budgets
+   alternated land between two integers), the comparison at equal acceptance length.
 
 Greedy acceptance is of the verifier's argmax, while the head is trained and calibrated on the
 temperature-1 acceptance, so the rule's slope for a given share of drafts differs from vLLM's at T=1;
@@ -74,24 +76,54 @@ def per_prompt(outputs) -> np.ndarray:
     )
 
 
-def versus_full(runs: dict[str, np.ndarray], full: str, seed: int) -> dict:
-    """Each schedule's acceptance length, drafts per step, and against `full` (paired by prompt): the
-    relative loss of acceptance length and the share of drafts spared, with bootstrap SEs over prompts."""
+KEYS = ("acceptance_length", "drafts_per_step", "acceptance_length_loss", "drafts_spared")
 
-    def stats(rows: np.ndarray, base: np.ndarray) -> np.ndarray:
-        al, al_full = rows[:, 1].sum() / rows[:, 0].sum(), base[:, 1].sum() / base[:, 0].sum()
-        return np.array(
-            [al, rows[:, 2].sum() / rows[:, 0].sum(), 1 - al / al_full, 1 - rows[:, 2].sum() / base[:, 2].sum()]
-        )
 
-    n = len(runs[full])
-    draws = np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))
+def schedule_stats(runs: dict[str, np.ndarray], full: str, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Per schedule, on prompts `idx`: [acceptance length, drafts per step, the acceptance length lost
+    against `full` (relative), the share of `full`'s drafts spared]."""
+    base = runs[full][idx]
+    al_full = base[:, 1].sum() / base[:, 0].sum()
     out = {}
     for name, rows in runs.items():
-        point = stats(rows, runs[full])
-        se = np.std([stats(rows[d], runs[full][d]) for d in draws], axis=0, ddof=1)
-        keys = ("acceptance_length", "drafts_per_step", "acceptance_length_loss", "drafts_spared")
-        out[name] = {k: {"mean": float(m), "se": float(s)} for k, m, s in zip(keys, point, se)}
+        r = rows[idx]
+        al = r[:, 1].sum() / r[:, 0].sum()
+        out[name] = np.array(
+            [al, r[:, 2].sum() / r[:, 0].sum(), 1 - al / al_full, 1 - r[:, 2].sum() / base[:, 2].sum()]
+        )
+    return out
+
+
+def lead_at_equal_loss(stats: dict[str, np.ndarray], head: str, fixed: list[str]) -> float:
+    """Drafts spared by schedule `head` beyond the fixed budgets' curve at the same acceptance length lost:
+    the fixed budgets' (loss, spared) points joined by straight lines (alternating two budgets gets any
+    point between them), the full block at (0, 0)."""
+    points = sorted((stats[n][2], stats[n][3]) for n in fixed)
+    loss, spared = np.array(points).T
+    return float(stats[head][3] - np.interp(stats[head][2], loss, spared))
+
+
+def versus_full(runs: dict[str, np.ndarray], full: str, seed: int) -> dict:
+    """Each schedule's figures (`schedule_stats`) on all prompts, with bootstrap SEs over prompts, and each
+    non-fixed schedule's `lead_at_equal_loss` over the `fixed_*` schedules."""
+    n = len(runs[full])
+    fixed = [name for name in runs if name.startswith("fixed")]
+    others = [name for name in runs if name not in fixed]
+
+    def figures(idx: np.ndarray) -> dict[str, np.ndarray]:
+        stats = schedule_stats(runs, full, idx)
+        return {
+            name: np.append(v, lead_at_equal_loss(stats, name, fixed) if name in others else np.nan)
+            for name, v in stats.items()
+        }
+
+    point = figures(np.arange(n))
+    draws = [figures(d) for d in np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))]
+    out = {}
+    for name in runs:
+        se = np.std([d[name] for d in draws], axis=0, ddof=1)
+        keys = KEYS + (("lead_at_equal_loss",) if name in others else ())
+        out[name] = {k: {"mean": float(point[name][i]), "se": float(se[i])} for i, k in enumerate(keys)}
     return out
 
 
@@ -99,6 +131,18 @@ def best_within(table: dict, names: list[str], max_loss: float) -> str | None:
     """The schedule of `names` sparing the most drafts with at most `max_loss` acceptance length lost."""
     ok = [n for n in names if table[n]["acceptance_length_loss"]["mean"] <= max_loss]
     return max(ok, key=lambda n: table[n]["drafts_spared"]["mean"]) if ok else None
+
+
+def spared_beyond(runs: dict[str, np.ndarray], a: str, b: str, full: str, seed: int) -> dict:
+    """Points of `full`'s drafts schedule `a` spares beyond schedule `b`, paired, bootstrap SE over prompts."""
+    n = len(runs[full])
+
+    def diff(idx):
+        stats = schedule_stats({k: runs[k] for k in (a, b, full)}, full, idx)
+        return stats[a][3] - stats[b][3]
+
+    draws = [diff(d) for d in np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))]
+    return {"mean": float(diff(np.arange(n))), "se": float(np.std(draws, ddof=1))}
 
 
 def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max_new: int, slopes) -> dict:
@@ -152,8 +196,12 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
     fixed = best_within(table, [n for n in schedules if n.startswith("fixed")], max_loss)
     lead = None
     if head is not None and fixed is not None:
-        diff = versus_full({"head": runs[head], "fixed": runs[fixed]}, "fixed", heldout.seed)["head"]["drafts_spared"]
-        lead = {"head": head, "fixed": fixed, "spared_beyond_fixed": diff}
+        lead = {
+            "head": head,
+            "fixed": fixed,
+            "spared_beyond_fixed": spared_beyond(runs, head, fixed, f"fixed_{B}", heldout.seed),
+            "lead_at_equal_loss": table[head]["lead_at_equal_loss"],
+        }
     return {
         "made": {**git_state(), "date": datetime.date.today().isoformat()},
         "drafter": drafter,
@@ -169,6 +217,8 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
         "schedules": table,
         "max_loss": max_loss,
         "at_max_loss": lead,
+        # per prompt and schedule: [verifier steps, tokens produced, drafts sent], for re-scoring
+        "per_prompt": {name: rows.astype(int).tolist() for name, rows in runs.items()},
     }
 
 

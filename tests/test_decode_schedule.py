@@ -36,16 +36,24 @@ def test_versus_full_by_hand():
     # per prompt: verifier steps, tokens produced, drafts sent
     full = np.array([[10, 20, 40], [20, 30, 80]], float)
     half = np.array([[12, 20, 20], [25, 30, 40]], float)
-    table = versus_full({"full": full, "half": half}, "full", seed=0)
-    al_full, al_half = 50 / 30, 50 / 37
-    assert table["full"]["acceptance_length"]["mean"] == pytest.approx(al_full)
-    assert table["full"]["acceptance_length_loss"] == {"mean": 0.0, "se": 0.0}
-    assert table["half"]["acceptance_length"]["mean"] == pytest.approx(al_half)
-    assert table["half"]["drafts_per_step"]["mean"] == pytest.approx(60 / 37)
-    assert table["half"]["acceptance_length_loss"]["mean"] == pytest.approx(1 - al_half / al_full)
-    assert table["half"]["drafts_spared"]["mean"] == pytest.approx(0.5)
-    assert table["half"]["drafts_spared"]["se"] == pytest.approx(0.0, abs=1e-12)  # every resample: half
-    assert table["half"]["acceptance_length_loss"]["se"] > 0
+    one = np.array([[16, 20, 16], [30, 30, 30]], float)
+    head = np.array([[11, 20, 30], [22, 30, 60]], float)
+    table = versus_full({"fixed_4": full, "fixed_2": half, "fixed_1": one, "head_r1": head}, "fixed_4", seed=0)
+    al_full, al_half, al_head = 50 / 30, 50 / 37, 50 / 33
+    assert table["fixed_4"]["acceptance_length"]["mean"] == pytest.approx(al_full)
+    assert table["fixed_4"]["acceptance_length_loss"] == {"mean": 0.0, "se": 0.0}
+    assert table["fixed_2"]["acceptance_length"]["mean"] == pytest.approx(al_half)
+    assert table["fixed_2"]["drafts_per_step"]["mean"] == pytest.approx(60 / 37)
+    assert table["fixed_2"]["acceptance_length_loss"]["mean"] == pytest.approx(1 - al_half / al_full)
+    assert table["fixed_2"]["drafts_spared"]["mean"] == pytest.approx(0.5)
+    assert table["fixed_2"]["drafts_spared"]["se"] == pytest.approx(0.0, abs=1e-12)  # every resample: half
+    assert table["fixed_2"]["acceptance_length_loss"]["se"] > 0
+    assert "lead_at_equal_loss" not in table["fixed_2"]
+    # the head loses 1 - 30/33 and spares 1/4; the fixed curve runs from (0, 0) to (1 - 30/37, 1/2)
+    loss = 1 - al_head / al_full
+    assert table["head_r1"]["acceptance_length_loss"]["mean"] == pytest.approx(loss)
+    want = 0.25 - 0.5 * loss / (1 - al_half / al_full)
+    assert table["head_r1"]["lead_at_equal_loss"]["mean"] == pytest.approx(want)
 
 
 def test_best_within_spares_the_most_inside_the_loss_bound():
