@@ -94,13 +94,29 @@ def schedule_stats(runs: dict[str, np.ndarray], full: str, idx: np.ndarray) -> d
     return out
 
 
+def _turn(a, b, c) -> float:
+    """z of (b − a) × (c − a): >= 0 when b is on or under the line from a to c (a, c ordered by x)."""
+    return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+
+
+def fixed_frontier(points: list[tuple[float, float]]) -> np.ndarray:
+    """[m, 2] (loss, spared) of the best the fixed budgets reach: the upper concave hull of their points
+    (alternating two budgets reaches any point on the segment between them)."""
+    hull: list[tuple[float, float]] = []
+    for p in sorted(points, key=lambda p: (p[0], -p[1])):
+        if hull and p[0] == hull[-1][0]:
+            continue  # the same loss, fewer drafts spared
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], p) >= 0:
+            hull.pop()  # under the segment from hull[-2] to p
+        hull.append(p)
+    return np.array(hull)
+
+
 def lead_at_equal_loss(stats: dict[str, np.ndarray], head: str, fixed: list[str]) -> float:
-    """Drafts spared by schedule `head` beyond the fixed budgets' curve at the same acceptance length lost:
-    the fixed budgets' (loss, spared) points joined by straight lines (alternating two budgets gets any
-    point between them), the full block at (0, 0)."""
-    points = sorted((stats[n][2], stats[n][3]) for n in fixed)
-    loss, spared = np.array(points).T
-    return float(stats[head][3] - np.interp(stats[head][2], loss, spared))
+    """Drafts spared by schedule `head` beyond the fixed budgets' frontier (`fixed_frontier`) at the same
+    acceptance length lost."""
+    frontier = fixed_frontier([(stats[n][2], stats[n][3]) for n in fixed])
+    return float(stats[head][3] - np.interp(stats[head][2], frontier[:, 0], frontier[:, 1]))
 
 
 def versus_full(runs: dict[str, np.ndarray], full: str, seed: int) -> dict:

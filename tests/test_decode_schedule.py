@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.decode_schedule import best_within, fixed_costs, linear_costs, versus_full
+from bench.decode_schedule import best_within, fixed_costs, fixed_frontier, linear_costs, versus_full
 
 B = 4
 
@@ -63,3 +63,10 @@ def test_best_within_spares_the_most_inside_the_loss_bound():
     table = {"a": row(0.0, 0.0), "b": row(0.008, 0.3), "c": row(0.02, 0.6), "d": row(0.01, 0.25)}
     assert best_within(table, list(table), 0.01) == "b"
     assert best_within(table, ["c"], 0.01) is None
+
+
+def test_fixed_frontier_is_the_upper_hull():
+    # (loss, spared): the full block, three budgets; (0.02, 0.3) lies under the segment (0.01, 0.25)-(0.05, 0.7)
+    # and (0.0, 0.1) ties the full block's loss with more spared
+    points = [(0.0, 0.0), (0.0, 0.1), (0.01, 0.25), (0.02, 0.3), (0.05, 0.7)]
+    assert fixed_frontier(points).tolist() == [[0.0, 0.1], [0.01, 0.25], [0.05, 0.7]]
