@@ -41,6 +41,7 @@ import numpy as np
 
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
+from dspark.errors import UserError
 
 USAGE = (
     "python -m bench.decode_schedule drafter=DIR bench_data=NAME out=FILE.json [per_benchmark=8] "
@@ -183,7 +184,9 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
         served = Path(tmp) / "drafter"
         shutil.copytree(drafter, served)
         offline, calibration, _, _ = offline_sections(served, target, ecfg, heldout)
-        if calibration is None or calibration["fit_samples"] != fit_ids.size:
+        if calibration is None:
+            raise UserError(f"drafter={drafter}: no confidence head (or eval.calibration off): no schedule to measure")
+        if calibration["fit_samples"] != fit_ids.size:
             raise RuntimeError("the served head's fit half is not the one the prompts were split by")
         prompts_file = Path(tmp) / "scored.jsonl"
         prompts_file.write_text(
