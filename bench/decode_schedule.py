@@ -172,6 +172,8 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
     from dspark.eval.evaluate import offline_sections, split_samples
     from dspark.eval.offline import pick_device
 
+    if not (Path(drafter) / "config.json").is_file():
+        raise UserError(f"drafter={drafter}: not an exported drafter dir (no config.json)")
     with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = hydra.compose(config_name="eval", overrides=[f"drafter={drafter}", "eval.bench_store=null", *overrides])
     target, ecfg = load_section(TargetConfig, cfg, "target"), load_section(EvalConfig, cfg, "eval")
