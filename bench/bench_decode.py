@@ -94,9 +94,7 @@ def main(out_dir: Path) -> dict:
         "new_tokens": NEW_TOKENS,
         "rounds": ROUNDS,
         # what the adaptive runs' budget rule weighed, profiled here: `eval.decode.step_costs` takes it
-        "adaptive_costs": None
-        if costs is None
-        else {"draft_ms": costs.draft_ms, "verify_ms": costs.verify_ms[1:].tolist()},
+        "adaptive_costs": None if costs is None else costs.as_step_costs(),
         "runs": rows,
     }
     return write_figures(out_dir, "decode", figures)

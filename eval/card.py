@@ -370,10 +370,10 @@ def _decode(dec: dict) -> list[str]:
     ]
     costs = dec.get("adaptive_costs")
     if costs:
-        verify = ", ".join(f"{v:.3g}" for v in costs["verify_ms"][1:])
+        verify = ", ".join(f"{v:.3g}" for v in costs["verify_ms"])
         out += [
             f"Adaptive verification's step costs ({costs['source']}): a draft step {costs['draft_ms']:.3g} ms, "
-            f"a verifier forward of 1..{len(costs['verify_ms']) - 1} tokens {verify} ms.",
+            f"a verifier forward of 1..{len(costs['verify_ms'])} tokens {verify} ms.",
             "",
         ]
     taus = dec.get("offline_tau") or {}

@@ -233,8 +233,7 @@ def run_decode(drafter_dir: Path, target: TargetConfig, cfg: EvalConfig, heldout
         "adaptive_costs": None
         if costs is None
         else {
-            "draft_ms": costs.draft_ms,
-            "verify_ms": costs.verify_ms.tolist(),
+            **costs.as_step_costs(),
             "source": f"profiled on {device}" if cfg.decode.step_costs is None else "given (eval.decode.step_costs)",
         },
         "runs": summaries,

@@ -51,6 +51,10 @@ class CostModel:
     draft_ms: float
     verify_ms: np.ndarray
 
+    def as_step_costs(self) -> dict:
+        """These costs in the form `eval.decode.step_costs` takes (verify_ms of 1..B+1 tokens)."""
+        return {"draft_ms": float(self.draft_ms), "verify_ms": [float(v) for v in self.verify_ms[1:]]}
+
     def budget(self, confidence: np.ndarray) -> np.ndarray:
         """Drafts sent for verification per row, from confidences [b, B] of the row's previous draft."""
         survival = np.cumprod(confidence.astype(np.float64), axis=1)

@@ -13,7 +13,15 @@ from transformers import Qwen3ForCausalLM
 from dspark.config import load_section
 from dspark.errors import UserError
 from dspark.eval.config import DecodeConfig
-from dspark.eval.decode_runs import block_starts, check_lossless, decode_runs, hf_generate, load_engine, prompt_sets
+from dspark.eval.decode_runs import (
+    block_starts,
+    check_lossless,
+    decode_runs,
+    given_costs,
+    hf_generate,
+    load_engine,
+    prompt_sets,
+)
 from dspark.eval.evaluate import evaluate_drafter
 from dspark.extract.config import ServerConfig
 
@@ -56,7 +64,10 @@ def test_report_files_and_card(decoded):
             assert 1.0 <= c["offline_tau_on_outputs"] <= 1 + section["block_size"]
             assert c["gap_on_outputs"] == pytest.approx(c["decode_acceptance_length"] - c["offline_tau_on_outputs"])
     assert section["adaptive_costs"]["source"] == "profiled on cpu"
-    assert len(section["adaptive_costs"]["verify_ms"]) == section["block_size"] + 2
+    # recorded in the form eval.decode.step_costs takes: it reads back as the same costs
+    recorded = {k: section["adaptive_costs"][k] for k in ("draft_ms", "verify_ms")}
+    assert len(recorded["verify_ms"]) == section["block_size"] + 1
+    assert given_costs(recorded, section["block_size"]).as_step_costs() == recorded
     card = (setup.drafter / "README.md").read_text()
     assert "## Speculative decoding (transformers)" in card
     assert "step costs (profiled on cpu)" in card
