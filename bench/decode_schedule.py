@@ -120,27 +120,28 @@ def lead_at_equal_loss(stats: dict[str, np.ndarray], head: str, fixed: list[str]
     return float(stats[head][3] - np.interp(stats[head][2], frontier[:, 0], frontier[:, 1]))
 
 
+def bootstrap(fn, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`fn` (prompt indices -> array) on all `n` prompts, and its SE over `ROUNDS` resamples of them."""
+    draws = [fn(idx) for idx in np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))]
+    return fn(np.arange(n)), np.std(draws, axis=0, ddof=1)
+
+
 def versus_full(runs: dict[str, np.ndarray], full: str, seed: int) -> dict:
     """Each schedule's figures (`schedule_stats`) on all prompts, with bootstrap SEs over prompts, and each
     non-fixed schedule's `lead_at_equal_loss` over the `fixed_*` schedules."""
-    n = len(runs[full])
-    fixed = [name for name in runs if name.startswith("fixed")]
-    others = [name for name in runs if name not in fixed]
+    names = list(runs)
+    fixed = [name for name in names if name.startswith("fixed")]
 
-    def figures(idx: np.ndarray) -> dict[str, np.ndarray]:
+    def figures(idx: np.ndarray) -> np.ndarray:  # [schedules, 5]
         stats = schedule_stats(runs, full, idx)
-        return {
-            name: np.append(v, lead_at_equal_loss(stats, name, fixed) if name in others else np.nan)
-            for name, v in stats.items()
-        }
+        lead = [lead_at_equal_loss(stats, name, fixed) if name not in fixed else np.nan for name in names]
+        return np.column_stack([np.stack([stats[name] for name in names]), lead])
 
-    point = figures(np.arange(n))
-    draws = [figures(d) for d in np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))]
+    point, se = bootstrap(figures, len(runs[full]), seed)
     out = {}
-    for name in runs:
-        se = np.std([d[name] for d in draws], axis=0, ddof=1)
-        keys = KEYS + (("lead_at_equal_loss",) if name in others else ())
-        out[name] = {k: {"mean": float(point[name][i]), "se": float(se[i])} for i, k in enumerate(keys)}
+    for i, name in enumerate(names):
+        keys = KEYS + (() if name in fixed else ("lead_at_equal_loss",))
+        out[name] = {k: {"mean": float(point[i, j]), "se": float(se[i, j])} for j, k in enumerate(keys)}
     return out
 
 
@@ -152,14 +153,13 @@ def best_within(table: dict, names: list[str], max_loss: float) -> str | None:
 
 def spared_beyond(runs: dict[str, np.ndarray], a: str, b: str, full: str, seed: int) -> dict:
     """Points of `full`'s drafts schedule `a` spares beyond schedule `b`, paired, bootstrap SE over prompts."""
-    n = len(runs[full])
 
-    def diff(idx):
+    def diff(idx: np.ndarray) -> np.ndarray:
         stats = schedule_stats({k: runs[k] for k in (a, b, full)}, full, idx)
-        return stats[a][3] - stats[b][3]
+        return np.asarray(stats[a][3] - stats[b][3])
 
-    draws = [diff(d) for d in np.random.default_rng(seed).integers(0, n, size=(ROUNDS, n))]
-    return {"mean": float(diff(np.arange(n))), "se": float(np.std(draws, ddof=1))}
+    point, se = bootstrap(diff, len(runs[full]), seed)
+    return {"mean": float(point), "se": float(se)}
 
 
 def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max_new: int, slopes) -> dict:
