@@ -38,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
 from dspark.entry import script_main
@@ -201,15 +202,28 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
         schedules = {f"fixed_{k}": fixed_costs(k, B) for k in range(1, B)} | {f"fixed_{B}": None}
         schedules |= {f"head_r{r:g}": linear_costs(r, B) for r in slopes}
         runs = {name: [] for name in schedules}
+        bar = tqdm(
+            total=sum(len(p) for p in sets.values()) * (len(schedules) + 1),
+            desc="decode schedules",
+            unit="prompt",
+            dynamic_ncols=True,
+        )
         for benchmark, prompts in sets.items():
-            references = [hf_generate(model, p, max_new, 0.0) for p in prompts]
+            bar.set_postfix_str(f"{benchmark}: transformers' greedy text")
+            references = []
+            for p in prompts:
+                references.append(hf_generate(model, p, max_new, 0.0))
+                bar.update()
             for name, costs in schedules.items():
-                print(f"  {benchmark}: {name}", flush=True)
+                bar.set_postfix_str(f"{benchmark}: {name}")
                 outputs = []
                 for i in range(0, len(prompts), ecfg.decode.batch_size):
-                    outputs += engine.generate(prompts[i : i + ecfg.decode.batch_size], max_new, 0.0, 0, costs)
+                    batch = prompts[i : i + ecfg.decode.batch_size]
+                    outputs += engine.generate(batch, max_new, 0.0, 0, costs)
+                    bar.update(len(batch))
                 check_lossless(benchmark, prompts, [o.output_ids for o in outputs], references)
                 runs[name].append(per_prompt(outputs))
+        bar.close()
     runs = {name: np.concatenate(parts) for name, parts in runs.items()}
     table = versus_full(runs, f"fixed_{B}", heldout.seed)
     max_loss = ecfg.calibration.max_tau_loss
