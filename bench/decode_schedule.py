@@ -195,6 +195,7 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
         prompts_file.write_text(
             "".join(json.dumps(r) + "\n" for r in rows if r["sample_id"] in set(scored_ids.tolist()))
         )
+        prompts_sha256 = file_fingerprint(str(prompts_file))
         ecfg.decode.prompts_file, ecfg.decode.prompts_per_benchmark = str(prompts_file), per_benchmark
         engine, model, tokenizer, max_len = load_engine(served, target, pick_device(ecfg.decode.device))
         sets = prompt_sets(ecfg, tokenizer, max_len - max_new)
@@ -244,6 +245,8 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
         "eval_overrides": list(overrides),
         "eval_store_fingerprint": store_fingerprint(ecfg.store),
         "prompts": {name: len(p) for name, p in sets.items()},
+        # the scored half's rows of eval.jsonl the prompts were drawn from (`per_benchmark` of each set)
+        "scored_rows_sha256": prompts_sha256,
         "max_new_tokens": max_new,
         "temperature": 0.0,
         "block_size": B,

@@ -1,12 +1,25 @@
-"""The decode-schedule bench's pieces: the cost models that pin a fixed budget or trace the budget rule,
-and its paired figures against a hand computation."""
+"""The decode-schedule bench: the cost models that pin a fixed budget or trace the budget rule, its paired
+figures against a hand computation, and the bench end to end on the tiny eval setup."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import pytest
+from eval_fixtures import build_setup, compose_cfg, configs, setup_overrides
 
-from bench.decode_schedule import best_within, fixed_costs, fixed_frontier, linear_costs, versus_full
+from bench.ablate_record import file_fingerprint, store_fingerprint
+from bench.decode_schedule import (
+    best_within,
+    fixed_costs,
+    fixed_frontier,
+    linear_costs,
+    schedule_figures,
+    versus_full,
+)
+from dspark.eval.evaluate import split_samples
 
 B = 4
 
@@ -70,3 +83,79 @@ def test_fixed_frontier_is_the_upper_hull():
     # and (0.0, 0.1) ties the full block's loss with more spared
     points = [(0.0, 0.0), (0.0, 0.1), (0.01, 0.25), (0.02, 0.3), (0.05, 0.7)]
     assert fixed_frontier(points).tolist() == [[0.0, 0.1], [0.01, 0.25], [0.05, 0.7]]
+
+
+MAX_NEW = 12
+SLOPES = (0.001, 0.05, 10.0)
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory):
+    """The bench end to end on the tiny eval setup: calibrate, split, decode under every schedule."""
+    setup = build_setup(tmp_path_factory.mktemp("decode_schedule"))
+    figures = schedule_figures(str(setup.drafter), setup_overrides(setup), 2, MAX_NEW, SLOPES)
+    return setup, figures
+
+
+def scored_rows(setup) -> list[dict]:
+    """eval.jsonl's rows outside the fit half the served head was calibrated on, split here by hand."""
+    rows = [json.loads(line) for line in (setup.data_dir / "eval.jsonl").read_text().splitlines()]
+    _, eval_cfg, heldout = configs(compose_cfg(setup))
+    fit, scored = split_samples(
+        np.array([r["sample_id"] for r in rows]), eval_cfg.calibration.fit_fraction, heldout.seed
+    )
+    assert len(fit) + len(scored) == len(rows) and not set(fit.tolist()) & set(scored.tolist())
+    return [r for r in rows if r["sample_id"] in set(scored.tolist())]
+
+
+def test_every_schedule_decodes_the_same_prompts_to_the_same_length(decoded):
+    setup, figures = decoded
+    B = figures["block_size"]
+    rows = {name: np.array(r) for name, r in figures["per_prompt"].items()}
+    assert set(rows) == {f"fixed_{k}" for k in range(1, B + 1)} | {f"head_r{r:g}" for r in SLOPES}
+    sources = [r["source"] for r in scored_rows(setup)]
+    assert figures["prompts"] == {s: min(2, sources.count(s)) for s in set(sources)}
+    tokens = rows[f"fixed_{B}"][:, 1]
+    assert (tokens == MAX_NEW - 1).all()  # the first new token is the prefill's; each later one a step's
+    for name, r in rows.items():
+        assert r.shape == (sum(figures["prompts"].values()), 3)
+        assert (r[:, 1] == tokens).all(), name  # paired: the greedy text, so its length, is each schedule's
+    for k in range(1, B + 1):
+        steps, _, drafts = rows[f"fixed_{k}"].T
+        assert (drafts <= k * steps).all() and (drafts >= k * (steps - 1)).all()  # k a step, the last maybe cut
+    assert rows["head_r10"][:, 2].sum() < rows[f"fixed_{B}"][:, 2].sum()  # dear verification: fewer drafts
+
+
+def test_the_table_is_the_per_prompt_counts_pooled(decoded):
+    _, figures = decoded
+    B = figures["block_size"]
+    full = np.array(figures["per_prompt"][f"fixed_{B}"])
+    al_full = full[:, 1].sum() / full[:, 0].sum()
+    for name, r in figures["per_prompt"].items():
+        steps = sum(row[0] for row in r)
+        tokens = sum(row[1] for row in r)
+        drafts = sum(row[2] for row in r)
+        row = figures["schedules"][name]
+        assert row["acceptance_length"]["mean"] == pytest.approx(tokens / steps)
+        assert row["drafts_per_step"]["mean"] == pytest.approx(drafts / steps)
+        assert row["acceptance_length_loss"]["mean"] == pytest.approx(1 - tokens / steps / al_full)
+        assert row["drafts_spared"]["mean"] == pytest.approx(1 - drafts / full[:, 2].sum())
+    assert figures["schedules"][f"fixed_{B}"]["drafts_spared"]["mean"] == 0.0
+    lead = figures["at_max_loss"]
+    if lead is not None:  # the picks are the most spared inside the bound, each of its kind
+        for kind in ("head", "fixed"):
+            inside = [
+                n
+                for n, row in figures["schedules"].items()
+                if n.startswith(kind) and row["acceptance_length_loss"]["mean"] <= figures["max_loss"]
+            ]
+            spared = {n: figures["schedules"][n]["drafts_spared"]["mean"] for n in inside}
+            assert spared[lead[kind]] == max(spared.values())
+
+
+def test_the_record_names_what_it_decoded(decoded):
+    setup, figures = decoded
+    assert figures["drafter_model_safetensors_sha256"] == file_fingerprint(str(setup.drafter / "model.safetensors"))
+    assert figures["eval_store_fingerprint"] == store_fingerprint(str(setup.store))
+    kept = "".join(json.dumps(r) + "\n" for r in scored_rows(setup))
+    assert figures["scored_rows_sha256"] == hashlib.sha256(kept.encode()).hexdigest()
