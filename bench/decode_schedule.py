@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.ablate_record import file_fingerprint, git_state, store_fingerprint
+from bench import write_atomically
+from bench.ablate_record import digest, file_fingerprint, git_state, read_json, store_fingerprint
 from dspark.entry import script_main
 from dspark.errors import UserError
 
@@ -163,13 +164,61 @@ def spared_beyond(runs: dict[str, np.ndarray], a: str, b: str, full: str, seed: 
     return {"mean": float(point), "se": float(se)}
 
 
-def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max_new: int, slopes) -> dict:
+def decode_schedules(engine, model, sets, schedules, max_new: int, batch_size: int, partial, key: str) -> dict:
+    """{schedule: [prompts, 3] per_prompt counts} over every prompt set, each set's greedy outputs checked
+    against transformers'. Each (set, schedule) done is kept in `partial` (under `key`, what decided it),
+    so a killed run resumes where it stopped: greedy decoding repeats, so what it kept is what it would
+    decode again."""
+    from dspark.eval.decode_runs import check_lossless, hf_generate
+
+    kept = read_json(partial) if partial is not None else None
+    done = kept["done"] if kept is not None and kept.get("key") == key else {}
+    if done:
+        print(f"resuming: {sum(map(len, done.values()))} (prompt set, schedule) runs kept in {partial}", flush=True)
+    bar = tqdm(
+        total=sum(len(p) for p in sets.values()) * (len(schedules) + 1),
+        desc="decode schedules",
+        unit="prompt",
+        dynamic_ncols=True,
+    )
+    for benchmark, prompts in sets.items():
+        ours = done.setdefault(benchmark, {})
+        todo = [name for name in schedules if name not in ours]
+        references = []
+        if todo:
+            bar.set_postfix_str(f"{benchmark}: transformers' greedy text")
+            for p in prompts:
+                references.append(hf_generate(model, p, max_new, 0.0))
+                bar.update()
+        else:
+            bar.update(len(prompts))
+        for name, costs in schedules.items():
+            if name in ours:
+                bar.update(len(prompts))
+                continue
+            bar.set_postfix_str(f"{benchmark}: {name}")
+            outputs = []
+            for i in range(0, len(prompts), batch_size):
+                batch = prompts[i : i + batch_size]
+                outputs += engine.generate(batch, max_new, 0.0, 0, costs)
+                bar.update(len(batch))
+            check_lossless(benchmark, prompts, [o.output_ids for o in outputs], references)
+            ours[name] = per_prompt(outputs).astype(int).tolist()
+            if partial is not None:
+                write_atomically(partial, json.dumps({"key": key, "done": done}).encode())
+    bar.close()
+    return {name: np.concatenate([np.array(done[b][name], np.float64) for b in sets]) for name in schedules}
+
+
+def schedule_figures(
+    drafter: str, overrides: list[str], per_benchmark: int, max_new: int, slopes, partial: Path | None = None
+) -> dict:
     import hydra
 
     from dspark.config import HeldoutConfig, TargetConfig, load_section
     from dspark.entry import CONF_DIR
     from dspark.eval.config import EvalConfig
-    from dspark.eval.decode_runs import check_lossless, hf_generate, load_engine, prompt_sets
+    from dspark.eval.decode_runs import load_engine, prompt_sets
     from dspark.eval.evaluate import offline_sections, split_samples
     from dspark.eval.offline import pick_device
 
@@ -202,30 +251,17 @@ def schedule_figures(drafter: str, overrides: list[str], per_benchmark: int, max
         B = engine.block_size
         schedules = {f"fixed_{k}": fixed_costs(k, B) for k in range(1, B)} | {f"fixed_{B}": None}
         schedules |= {f"head_r{r:g}": linear_costs(r, B) for r in slopes}
-        runs = {name: [] for name in schedules}
-        bar = tqdm(
-            total=sum(len(p) for p in sets.values()) * (len(schedules) + 1),
-            desc="decode schedules",
-            unit="prompt",
-            dynamic_ncols=True,
+        key = digest(
+            {
+                "drafter": file_fingerprint(f"{drafter}/model.safetensors"),
+                "store": store_fingerprint(ecfg.store),
+                "rows": prompts_sha256,
+                "overrides": list(overrides),
+                "max_new": max_new,
+                "engine": {"device": str(engine.device), "batch_size": ecfg.decode.batch_size},
+            }
         )
-        for benchmark, prompts in sets.items():
-            bar.set_postfix_str(f"{benchmark}: transformers' greedy text")
-            references = []
-            for p in prompts:
-                references.append(hf_generate(model, p, max_new, 0.0))
-                bar.update()
-            for name, costs in schedules.items():
-                bar.set_postfix_str(f"{benchmark}: {name}")
-                outputs = []
-                for i in range(0, len(prompts), ecfg.decode.batch_size):
-                    batch = prompts[i : i + ecfg.decode.batch_size]
-                    outputs += engine.generate(batch, max_new, 0.0, 0, costs)
-                    bar.update(len(batch))
-                check_lossless(benchmark, prompts, [o.output_ids for o in outputs], references)
-                runs[name].append(per_prompt(outputs))
-        bar.close()
-    runs = {name: np.concatenate(parts) for name, parts in runs.items()}
+        runs = decode_schedules(engine, model, sets, schedules, max_new, ecfg.decode.batch_size, partial, key)
     table = versus_full(runs, f"fixed_{B}", heldout.seed)
     max_loss = ecfg.calibration.max_tau_loss
     head = best_within(table, [n for n in schedules if n.startswith("head")], max_loss)
@@ -265,11 +301,18 @@ def main(argv: list[str]) -> int:
 
     args, _, overrides = lever_data.report_args(argv, USAGE, frozenset({"per_benchmark", "max_new_tokens", "slopes"}))
     slopes = [float(s) for s in args["slopes"].split(",")] if "slopes" in args else SLOPES
-    figures = schedule_figures(
-        args["drafter"], overrides, int(args.get("per_benchmark", 8)), int(args.get("max_new_tokens", 96)), slopes
-    )
     out = Path(args["out"])
+    partial = out.with_name(f"{out.stem}.partial.json")  # what a killed run had decoded; gone once out is written
+    figures = schedule_figures(
+        args["drafter"],
+        overrides,
+        int(args.get("per_benchmark", 8)),
+        int(args.get("max_new_tokens", 96)),
+        slopes,
+        partial,
+    )
     write_figures(out.parent, out.stem, figures)
+    partial.unlink(missing_ok=True)
     for name, row in figures["schedules"].items():
         cells = "  ".join(f"{k} {v['mean']:.4f} ± {v['se']:.4f}" for k, v in row.items())
         print(f"{name:<12} {cells}")

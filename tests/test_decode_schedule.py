@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +92,13 @@ def test_fixed_frontier_is_the_upper_hull():
 
 MAX_NEW = 12
 SLOPES = (0.001, 0.05, 10.0)
+REPO = Path(__file__).resolve().parents[1]
+# the bench in a process of its own, so that it can be killed
+CHILD = (
+    "import json, sys; from pathlib import Path; from bench.decode_schedule import schedule_figures; "
+    "a = json.loads(sys.argv[1]); schedule_figures(a['drafter'], a['overrides'], 2, a['max_new'], a['slopes'], "
+    "Path(a['partial']))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +171,53 @@ def test_the_record_names_what_it_decoded(decoded):
     assert figures["eval_store_fingerprint"] == store_fingerprint(str(setup.store))
     kept = "".join(json.dumps(r) + "\n" for r in scored_rows(setup))
     assert figures["scored_rows_sha256"] == hashlib.sha256(kept.encode()).hexdigest()
+
+
+FOREIGN = "another drafter"
+
+
+def kept_runs(partial: Path) -> int:
+    """(prompt set, schedule) runs a partial file holds for this run; 0 while missing or another run's."""
+    try:
+        kept = json.loads(partial.read_text())
+    except (OSError, ValueError):
+        return 0
+    return 0 if kept["key"] == FOREIGN else sum(len(runs) for runs in kept["done"].values())
+
+
+def test_a_killed_run_resumes_to_the_same_figures(decoded, tmp_path, capsys):
+    setup, figures = decoded
+    partial = tmp_path / "x.partial.json"
+    spec = {
+        "drafter": str(setup.drafter),
+        "overrides": setup_overrides(setup),
+        "max_new": MAX_NEW,
+        "slopes": list(SLOPES),
+        "partial": str(partial),
+    }
+    total = len(figures["prompts"]) * len(figures["per_prompt"])
+    # another run's partial file at the start: not reused (its rows would show in the figures below)
+    foreign = {name: [[1, 1, 1]] * len(rows) for name, rows in figures["per_prompt"].items()}
+    partial.write_text(json.dumps({"key": FOREIGN, "done": {"chat": foreign, "code": foreign}}))
+    for stop_at in (1, total // 2):  # killed once a run is kept, then again halfway
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(spec)],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 300
+        while kept_runs(partial) < stop_at and proc.poll() is None:
+            assert time.monotonic() < deadline, "the bench kept nothing in 5 minutes"
+            time.sleep(0.01)
+        proc.kill()
+        assert proc.wait() != 0, "the bench finished before it could be killed"
+    kept = kept_runs(partial)
+    assert total // 2 <= kept < total
+    capsys.readouterr()
+    resumed = schedule_figures(str(setup.drafter), setup_overrides(setup), 2, MAX_NEW, SLOPES, partial)
+    assert f"resuming: {kept} (prompt set, schedule) runs kept" in capsys.readouterr().out
+    assert resumed["per_prompt"] == figures["per_prompt"]
+    assert resumed["schedules"] == figures["schedules"]
+    assert resumed["at_max_loss"] == figures["at_max_loss"]
