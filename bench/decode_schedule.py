@@ -183,9 +183,8 @@ def decode_schedules(engine, model, sets, schedules, max_new: int, batch_size: i
     )
     for benchmark, prompts in sets.items():
         ours = done.setdefault(benchmark, {})
-        todo = [name for name in schedules if name not in ours]
         references = []
-        if todo:
+        if any(name not in ours for name in schedules):
             bar.set_postfix_str(f"{benchmark}: transformers' greedy text")
             for p in prompts:
                 references.append(hf_generate(model, p, max_new, 0.0))
@@ -258,6 +257,7 @@ def schedule_figures(
                 "rows": prompts_sha256,
                 "overrides": list(overrides),
                 "max_new": max_new,
+                "prompts": {name: [list(map(int, p)) for p in prompts] for name, prompts in sets.items()},
                 "engine": {"device": str(engine.device), "batch_size": ecfg.decode.batch_size},
             }
         )
