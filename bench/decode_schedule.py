@@ -250,14 +250,13 @@ def schedule_figures(
         B = engine.block_size
         schedules = {f"fixed_{k}": fixed_costs(k, B) for k in range(1, B)} | {f"fixed_{B}": None}
         schedules |= {f"head_r{r:g}": linear_costs(r, B) for r in slopes}
+        # what decides the decoding: the drafter as served (its calibration folded in), the prompts, the
+        # length and the engine
         key = digest(
             {
-                "drafter": file_fingerprint(f"{drafter}/model.safetensors"),
-                "store": store_fingerprint(ecfg.store),
-                "rows": prompts_sha256,
-                "overrides": list(overrides),
-                "max_new": max_new,
+                "served_drafter": file_fingerprint(str(served / "model.safetensors")),
                 "prompts": {name: [list(map(int, p)) for p in prompts] for name, prompts in sets.items()},
+                "max_new": max_new,
                 "engine": {"device": str(engine.device), "batch_size": ecfg.decode.batch_size},
             }
         )
