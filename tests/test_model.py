@@ -444,3 +444,50 @@ def test_compiled_backbone_matches_eager_and_keeps_state_dict_keys(verifier):
         assert grads[0].keys() == grads[1].keys() and grads[0]
         for name, grad in grads[0].items():
             torch.testing.assert_close(grads[1][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_dropout_drops_each_branch_in_training_only(verifier):
+    """`train.dropout`: each layer's attention and MLP outputs reach the residual either dropped (0) or scaled
+    by 1 / (1 - p), about a fraction p of them dropped; in eval mode (evaluation, export) the draft is the one
+    without dropout."""
+    model = make_draft(verifier, draft_config())
+    context, input_ids = packed_inputs(2, 40, 3, verifier.hidden_size)
+    anchors = torch.randint(0, 36, (2, 16)).sort().values
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    model.eval()
+    plain = model(context, input_ids, anchors, valid)
+    p = 0.3
+    model.set_dropout(p)
+    torch.testing.assert_close(model(context, input_ids, anchors, valid), plain, rtol=0, atol=0)
+
+    layer = model.layers[0]
+    seen = {}
+
+    def keep(name, pre):  # a hook that records the module's input (pre) or output and changes nothing
+        return (
+            (lambda m, args: seen.update({name: args[0]})) if pre else (lambda m, args, out: seen.update({name: out}))
+        )
+
+    hooks = [
+        layer.register_forward_pre_hook(keep("x", True)),
+        layer.self_attn.register_forward_hook(keep("attn", False)),
+        layer.post_attention_layernorm.register_forward_pre_hook(keep("mid", True)),
+        layer.mlp.register_forward_hook(keep("mlp", False)),
+        layer.register_forward_hook(keep("out", False)),
+    ]
+    model.train()
+    trained = model(context, input_ids, anchors, valid)
+    for hook in hooks:
+        hook.remove()
+    assert not torch.equal(trained, plain)
+    dropped_fractions = []
+    for branch, added in (("attn", seen["mid"] - seen["x"]), ("mlp", seen["out"] - seen["mid"])):
+        out = seen[branch]
+        kept = added != 0
+        torch.testing.assert_close(added[kept], out[kept] / (1 - p), rtol=1e-4, atol=1e-5)
+        dropped_fractions.append(1 - kept.float().mean().item())
+    for fraction in dropped_fractions:  # thousands of elements each: a binomial fraction within a few points
+        assert abs(fraction - p) < 0.05, dropped_fractions
+
+    with pytest.raises(UserError, match="dropout must be in"):
+        model.set_dropout(1.0)
