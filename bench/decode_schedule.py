@@ -239,10 +239,8 @@ def schedule_figures(
             raise UserError(f"drafter={drafter}: no confidence head (or eval.calibration off): no schedule to measure")
         if calibration["fit_samples"] != fit_ids.size:
             raise RuntimeError("the served head's fit half is not the one the prompts were split by")
-        prompts_file = Path(tmp) / "scored.jsonl"
-        prompts_file.write_text(
-            "".join(json.dumps(r) + "\n" for r in rows if r["sample_id"] in set(scored_ids.tolist()))
-        )
+        prompts_file, scored = Path(tmp) / "scored.jsonl", set(scored_ids.tolist())
+        prompts_file.write_text("".join(json.dumps(r) + "\n" for r in rows if r["sample_id"] in scored))
         prompts_sha256 = file_fingerprint(str(prompts_file))
         ecfg.decode.prompts_file, ecfg.decode.prompts_per_benchmark = str(prompts_file), per_benchmark
         engine, model, tokenizer, max_len = load_engine(served, target, pick_device(ecfg.decode.device))
