@@ -19,6 +19,8 @@ the states hold), so no extraction is needed. Rows: `smollm2-135m` (the embedded
 `qwen2.5-coder-0.5b` where its verifier is installed (`make setup-qwen25`).
 
 Run: python -m bench.bench_recipe_step   (or python -m bench only=recipe_step)
+Another variant file's variants (each against the defaults), the figures written to DIR/recipe_step.json:
+    python -m bench.bench_recipe_step variant_file=bench/ablate_regularize.yaml only=default,anchors_64 out=DIR
 """
 
 from __future__ import annotations
@@ -100,10 +102,10 @@ def spread(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def settings(name: str, work: Path) -> tuple[dict, list[str]]:
+def settings(name: str, work: Path, variant_file: Path) -> tuple[dict, list[str]]:
     """The variant file's config (its runs on benchmark `name`'s verifier) and the overrides that point a run
     at the synthetic store under `work` (written here on the first call)."""
-    cfg = load_config(VARIANT_FILE)
+    cfg = load_config(variant_file)
     manifest = lever_data.load_manifest(lever_data.bench_dir(name))
     cfg["common"] = [*cfg["common"], *manifest["target"]["overrides"]]
     store, freqs = work / name / "store", work / name / "token_freqs.npy"
@@ -123,10 +125,10 @@ def settings(name: str, work: Path) -> tuple[dict, list[str]]:
     return cfg, data
 
 
-def measure_pair(name: str, variant: str, work: Path) -> dict:
+def measure_pair(name: str, variant: str, work: Path, variant_file: Path) -> dict:
     """Today's defaults and `variant` (`default` again: the harness's own bias and noise), built in this
     process and timed in turns."""
-    cfg, data = settings(name, work)
+    cfg, data = settings(name, work, variant_file)
 
     def build(label: str, variant: str):
         full = compose([*run_overrides(cfg, variant, 1, 0, work / name / label), *data])
@@ -153,15 +155,17 @@ def measure_pair(name: str, variant: str, work: Path) -> dict:
     }
 
 
-def measure(name: str, work: Path) -> dict:
+def measure(name: str, work: Path, variant_file: Path, only: list[str] | None) -> dict:
     """Every variant of the lever table against the defaults on benchmark `name`, each pair in a child process
     that keeps freed memory (as `make demo` trains: glibc would otherwise hand every large freed buffer back
-    to the OS and fault it in again at the next step, which no GPU allocator does)."""
-    cfg, _ = settings(name, work)
+    to the OS and fault it in again at the next step, which no GPU allocator does). `only`: these variants."""
+    cfg, _ = settings(name, work, variant_file)
     row = {"samples": SAMPLES, "variants": {}}
-    for variant in cfg["variants"]:
+    for variant in only or cfg["variants"]:
+        if variant not in cfg["variants"]:
+            raise MissingInput(f"variant {variant!r} is not in {variant_file}")
         env = {**os.environ, **KEEP_FREED, "OMP_NUM_THREADS": str(THREADS)}
-        cmd = [sys.executable, "-m", "bench.bench_recipe_step", f"pair={name},{variant},{work}"]
+        cmd = [sys.executable, "-m", "bench.bench_recipe_step", f"pair={name},{variant},{variant_file},{work}"]
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         found = [line.removeprefix(PAIR_ROW) for line in proc.stdout.splitlines() if line.startswith(PAIR_ROW)]
         if proc.returncode != 0 or len(found) != 1:
@@ -179,18 +183,19 @@ def measure(name: str, work: Path) -> dict:
     return row
 
 
-def main(out_dir: Path) -> dict:
+def main(out_dir: Path, variant_file: Path = VARIANT_FILE, only: list[str] | None = None) -> dict:
     rows, skipped = {}, {}
     with tempfile.TemporaryDirectory(prefix="recipe_step_") as tmp:
         for name in BENCHMARKS:
             try:
-                rows[name] = measure(name, Path(tmp))
+                rows[name] = measure(name, Path(tmp), variant_file, only)
             except MissingInput as err:  # a verifier that is not installed here
                 skipped[name] = str(err)
                 print(f"   {name}: skipped ({err})", flush=True)
     figures = {
         "setting": {
-            "variant_file": str(VARIANT_FILE.relative_to(REPO)),
+            "variant_file": os.path.relpath(variant_file.resolve(), REPO),
+            "only": only,
             "samples": SAMPLES,
             "steps_per_round": STEPS_PER_ROUND,
             "rounds": ROUNDS,
@@ -205,10 +210,14 @@ def main(out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    arg = next((a.removeprefix("pair=") for a in sys.argv[1:] if a.startswith("pair=")), None)
-    if arg is None:
-        main(Path("bench/results"))
+    args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    unknown = set(args) - {"pair", "variant_file", "only", "out"}
+    if unknown or len(args) != len(sys.argv[1:]):
+        raise SystemExit(f"unknown arguments {sys.argv[1:]}; expected variant_file=PATH only=a,b out=DIR")
+    if "pair" not in args:
+        only = args["only"].split(",") if "only" in args else None
+        main(Path(args.get("out", "bench/results")), Path(args.get("variant_file", VARIANT_FILE)), only)
     else:  # a timing child (see `measure`)
         torch.set_num_threads(THREADS)
-        name, variant, work = arg.split(",", 2)
-        print(PAIR_ROW + json.dumps(measure_pair(name, variant, Path(work))), flush=True)
+        name, variant, variant_file, work = args["pair"].split(",", 3)
+        print(PAIR_ROW + json.dumps(measure_pair(name, variant, Path(work), Path(variant_file))), flush=True)
