@@ -36,9 +36,6 @@ SPEED_KEYS = ("compile",)
 # the key at these values, the ones every run of the shipped variant files was keyed with before checkpoints were
 # saved during lever runs, so runs stored before keep their keys.
 RECORDING_KEYS = {"save_every": 1000000, "keep_last": 3, "log_every": 1}
-# Train keys added after runs were stored, at the value those runs trained with: there they leave the key out, so
-# the runs stored before keep their keys; any other value enters it.
-ADDED_KEYS = {"dropout": 0.0}
 
 
 def check_name(kind: str, name: object) -> str:
@@ -116,17 +113,14 @@ def data_fingerprints(train_cfg) -> dict:
 
 def resolved_config(full_cfg) -> tuple[dict, dict]:
     """The composed config as plain values, without the keys that only place the run or set its speed, its
-    recording keys at fixed values, the keys added since at their earlier value left out, without its `heldout`
-    section; and that section (the held-out protocol the run is scored by)."""
+    recording keys at fixed values, without its `heldout` section; and that section (the held-out protocol the
+    run is scored by)."""
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(full_cfg, resolve=True)
     for key in PLACEMENT_KEYS + SPEED_KEYS:
         resolved["train"].pop(key, None)
     resolved["train"].update(RECORDING_KEYS)
-    for key, before in ADDED_KEYS.items():
-        if resolved["train"].get(key) == before:
-            del resolved["train"][key]
     return resolved, resolved.pop("heldout")
 
 

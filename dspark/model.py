@@ -89,14 +89,10 @@ class DraftDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.dropout = 0.0  # on the attention and MLP outputs, in training mode only (`train.dropout`)
 
     def forward(self, x, context_kv, cos, sin, mask):
-        x = x + self._drop(self.self_attn(self.input_layernorm(x), context_kv, cos, sin, mask))
-        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
-
-    def _drop(self, branch: torch.Tensor) -> torch.Tensor:
-        return F.dropout(branch, self.dropout, training=True) if self.training and self.dropout else branch
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int, vocab_size: int) -> torch.Tensor | None:
@@ -195,13 +191,6 @@ class DSparkDraft(nn.Module):
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
         if self.markov_embed_proj is not None:
             nn.init.zeros_(self.markov_embed_proj.weight)  # the head starts as without it
-
-    def set_dropout(self, p: float) -> None:
-        """Dropout p on every layer's attention and MLP outputs while training (`train.dropout`); none in eval mode."""
-        if not 0 <= p < 1:
-            raise UserError(f"dropout must be in [0, 1), got {p}")
-        for layer in self.layers:
-            layer.dropout = float(p)
 
     def prev_embeddings(self, prev: torch.Tensor) -> torch.Tensor:
         """[..., rank] Markov embeddings W1[prev] of previous tokens prev [...]."""

@@ -72,7 +72,6 @@ def test_shipped_configs_pass_their_checks(overrides):
         ("train", "loss.hidden_weight=-1", "loss", "loss.hidden_weight must be >= 0"),
         ("train", "loss.hidden_slots=0", "loss", "loss.hidden_slots must be null or >= 1"),
         ("train", "train.warmup_ratio=1", "train", "train.warmup_ratio must be in [0, 1)"),
-        ("train", "train.dropout=1", "train", "train.dropout must be in [0, 1)"),
         ("train", "train.epochs=many", "train", "train.epochs: Value 'many'"),
         ("train", "model.block_size=0", "model", "model.block_size must be >= 1, got 0"),
         ("train", "model.markov_type=lstm", "model", "model.markov_type must be one of"),
@@ -112,7 +111,6 @@ def test_a_bad_value_is_refused_at_load_time_naming_the_field(stage, override, s
     [
         ("train", "train.lr=inf", "train", "train.lr must be a finite number, got inf"),
         ("train", "train.adam_betas=[0.9,nan]", "train", "train.adam_betas[1] must be a finite number, got nan"),
-        ("train", "train.dropout=nan", "train", "train.dropout must be a finite number, got nan"),
         (
             "train",
             "train.lr_scales={markov_embed_proj: -inf}",

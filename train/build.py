@@ -269,7 +269,6 @@ def build_trainer(full_cfg: DictConfig, accelerator: Accelerator) -> DSparkTrain
         accelerator.device
     )
     model.load_verifier(verifier)
-    model.set_dropout(cfg.dropout)
     layers, fc = cfg.init_layers_from_verifier, cfg.init_fc_from_last_aux
     if layers == "auto":
         layers, line = copyable_last_layers(model, target_dir)

@@ -94,8 +94,6 @@ class TrainConfig(Checked):
     """Cosine decay ends at `lr * min_lr_ratio`."""
     grad_clip: float | None
     """Clip the global gradient norm to this value (null = no clipping)."""
-    dropout: float
-    """Dropout on each draft layer's attention and MLP outputs while training (none at evaluation or export)."""
     max_nonfinite_steps: int = resume_field("free")
     """Stop (an error) after this many optimizer steps in a row whose loss or gradient is not finite
     (each such step is skipped: the weights are left as they are)."""
@@ -146,8 +144,6 @@ class TrainConfig(Checked):
         self.one_of("draft_vocab_from", VOCAB_RANKINGS)
         if not 0 <= self.warmup_ratio < 1:
             self.refuse("warmup_ratio", "must be in [0, 1)")
-        if not 0 <= self.dropout < 1:
-            self.refuse("dropout", "must be in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
             self.refuse("min_lr_ratio", "must be in [0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
