@@ -1,12 +1,14 @@
 """Stored `make ablate` runs of two arms, paired block by block:
-`python -m bench.ablate_pair new=RUN[,RUN] old=RUN[,RUN] out=DIR [bench_data=NAME]`.
+`python -m bench.ablate_pair new=RUN[,RUN] old=RUN[,RUN] out=DIR [bench_data=NAME] [equal_time=true]`.
 
 A table of `make ablate` pairs the variants it trains together. An arm stored under an older config key
 (trained before a config key was added, at an earlier commit) is not reused by it and would be trained
 again; this pairs it from its stored blocks instead. Each RUN is a run dir of `make ablate` (its
 `ablate.json` and `ablate.npz`); the i-th `new` run is paired with the i-th `old` one, which must be of
 the same seed and budget and scored on the same blocks of the same stores under the same held-out
-protocol (else a UserError, nothing written). Figures as `make ablate`'s (`bench.ablate_stats`): the gain
+protocol (else a UserError, nothing written); with `equal_time=true` the two may differ in steps (an arm
+trained for another arm's training time, where one's step is heavier: the equal-time half of a lever's
+decision), and the record says so. Figures as `make ablate`'s (`bench.ablate_stats`): the gain
 paired per seed, SE clustered by held-out conversation, seeds combined; per seed; and per held-out
 source with `bench_data` (`by_source`, as in a table's rows). Where every run's untrained draft is stored
 beside it (`untrained_s<seed>`, as `make ablate` keeps it, on the same blocks), each arm adds its
@@ -29,7 +31,7 @@ from bench.ablate_stats import Blocks, by_source, over_seeds, paired_gain, ratio
 from dspark.entry import script_main
 from dspark.errors import UserError
 
-USAGE = "python -m bench.ablate_pair new=RUN[,RUN] old=RUN[,RUN] out=DIR [bench_data=NAME]"
+USAGE = "python -m bench.ablate_pair new=RUN[,RUN] old=RUN[,RUN] out=DIR [bench_data=NAME] [equal_time=true]"
 MATCHED = ("seed", "steps", "data", "heldout")  # what the two arms of one pair must share
 
 
@@ -47,13 +49,13 @@ def untrained_of(run: Path, record: dict, blocks: Blocks) -> Blocks | None:
     return found if found is not None and np.array_equal(found.key, blocks.key) else None
 
 
-def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
-    """The paired figures of runs `new` against runs `old` (one pair per seed)."""
+def pair(new: list[Path], old: list[Path], sources: dict[int, str], equal_time: bool = False) -> dict:
+    """The paired figures of runs `new` against runs `old` (one pair per seed; `equal_time`: of any steps)."""
     if not new or len(new) != len(old):
         raise UserError(f"new= and old= name the same number of runs, one pair per seed ({len(new)} and {len(old)})")
     arms = [[read_run(p) for p in side] for side in (new, old)]
     for (mine, a), (theirs, b), path in zip(*arms, new, strict=True):
-        differ = [k for k in MATCHED if mine.get(k) != theirs.get(k)]
+        differ = [k for k in MATCHED if mine.get(k) != theirs.get(k) and not (equal_time and k == "steps")]
         if differ or a.key.shape != b.key.shape or not (a.key == b.key).all():
             raise UserError(f"{path} and its old run differ in {differ or ['their held-out blocks']}: not a pair")
     seeds = [r["seed"] for r, _ in arms[0]]
@@ -63,6 +65,7 @@ def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
     theirs = {("old", 0, s): blocks for s, (_, blocks) in zip(seeds, arms[1], strict=True)}
     conversations = a[0].conversations
     result = {
+        "equal_time": equal_time,
         "new": {"tau": over_seeds([x.tau for x in a], conversations), "runs": [r for r, _ in arms[0]]},
         "old": {"tau": over_seeds([y.tau for y in theirs.values()], conversations), "runs": [r for r, _ in arms[1]]},
         "gain": paired_gain(a, theirs, "old", 0, seeds),
@@ -87,16 +90,17 @@ def pair(new: list[Path], old: list[Path], sources: dict[int, str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    args, rest = split_args(argv, {"new", "old", "out", "bench_data"}, {"new", "old", "out"}, USAGE)
-    if rest:
-        raise UserError(f"unknown arguments {rest}; usage: {USAGE}")
+    args, rest = split_args(argv, {"new", "old", "out", "bench_data", "equal_time"}, {"new", "old", "out"}, USAGE)
+    if rest or args.get("equal_time", "false") not in ("true", "false"):
+        raise UserError(f"unknown arguments {rest or [args['equal_time']]}; usage: {USAGE}")
     sources = {}
     if args.get("bench_data"):
         from bench import lever_data
         from dspark.eval.offline import read_sources
 
         sources = read_sources(lever_data.materialize(args["bench_data"])["data_dir"])
-    result = write_figures(Path(args["out"]), "paired", pair(*(paths(args[k]) for k in ("new", "old")), sources))
+    arms = (paths(args[k]) for k in ("new", "old"))
+    result = write_figures(Path(args["out"]), "paired", pair(*arms, sources, args.get("equal_time") == "true"))
     gain, taus = result["gain"], [result[k]["tau"]["mean"] for k in ("new", "old")]
     print(
         f"gain {gain['mean']:+.4f} ± {gain['se']:.4f} over {gain['seeds']} seed(s) ({taus[0]:.4f} against "

@@ -613,6 +613,16 @@ def test_stored_runs_pair_as_the_table_pairs_them_and_only_alike(tiny_ablation, 
     with pytest.raises(UserError, match=r"differ in \['seed'\]: not a pair"):
         ablate_pair.main([f"new={new}", f"old={other}", f"out={tmp_path / 'refused'}"])
     assert not (tmp_path / "refused").exists()
+    # an arm of other steps pairs only as an equal-time pair, and says so
+    longer = tmp_path / "longer"
+    shutil.copytree(old, longer)
+    (longer / "ablate.json").write_text(json.dumps({**json.loads((old / "ablate.json").read_text()), "steps": 9}))
+    with pytest.raises(UserError, match=r"differ in \['steps'\]: not a pair"):
+        ablate_pair.main([f"new={new}", f"old={longer}", f"out={tmp_path / 'refused'}"])
+    assert not (tmp_path / "refused").exists() and not got["equal_time"]
+    assert ablate_pair.main([f"new={new}", f"old={longer}", f"out={tmp_path / 'timed'}", "equal_time=true"]) == 0
+    timed = json.loads((tmp_path / "timed" / "paired.json").read_text())
+    assert timed["equal_time"] and timed["gain"] == pytest.approx(got["gain"])
 
 
 @pytest.mark.slow  # trains real runs: make test, not make test-fast
