@@ -38,11 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import lever_data, write_figures
+from bench import lever_data, split_args, write_figures
 from bench.ablate import compose, run_overrides
 from bench.ablate_variants import load_config
 from bench.bench_train_step import KEEP_FREED
-from dspark.errors import MissingInput
+from dspark.entry import script_main
+from dspark.errors import MissingInput, UserError
 from dspark.store import Sample, StoreWriter, bf16_to_bits
 from dspark.targets import resolve_target
 from dspark.train.build import build_trainer, make_accelerator
@@ -58,6 +59,7 @@ ROUNDS = 6
 THREADS = 2
 PAIR_ROW = "pair row: "
 REPO = Path(__file__).resolve().parents[1]
+USAGE = "python -m bench.bench_recipe_step [variant_file=PATH] [only=a,b] [out=DIR]"
 
 
 def benchmark_samples(name: str, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -162,8 +164,6 @@ def measure(name: str, work: Path, variant_file: Path, only: list[str] | None) -
     cfg, _ = settings(name, work, variant_file)
     row = {"samples": SAMPLES, "variants": {}}
     for variant in only or cfg["variants"]:
-        if variant not in cfg["variants"]:
-            raise MissingInput(f"variant {variant!r} is not in {variant_file}")
         env = {**os.environ, **KEEP_FREED, "OMP_NUM_THREADS": str(THREADS)}
         cmd = [sys.executable, "-m", "bench.bench_recipe_step", f"pair={name},{variant},{variant_file},{work}"]
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
@@ -184,6 +184,9 @@ def measure(name: str, work: Path, variant_file: Path, only: list[str] | None) -
 
 
 def main(out_dir: Path, variant_file: Path = VARIANT_FILE, only: list[str] | None = None) -> dict:
+    missing = sorted(set(only or []) - set(load_config(variant_file)["variants"]))
+    if missing:  # before any timing, and not a MissingInput: that one skips a benchmark whose verifier is absent
+        raise UserError(f"only={','.join(only)}: {missing} are not variants of {variant_file}")
     rows, skipped = {}, {}
     with tempfile.TemporaryDirectory(prefix="recipe_step_") as tmp:
         for name in BENCHMARKS:
@@ -209,11 +212,10 @@ def main(out_dir: Path, variant_file: Path = VARIANT_FILE, only: list[str] | Non
     return write_figures(out_dir, "recipe_step", figures)
 
 
-if __name__ == "__main__":
-    args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
-    unknown = set(args) - {"pair", "variant_file", "only", "out"}
-    if unknown or len(args) != len(sys.argv[1:]):
-        raise SystemExit(f"unknown arguments {sys.argv[1:]}; expected variant_file=PATH only=a,b out=DIR")
+def cli(argv: list[str]) -> int:
+    args, rest = split_args(argv, {"pair", "variant_file", "only", "out"}, set(), USAGE)
+    if rest:
+        raise UserError(f"unknown arguments {rest}; usage: {USAGE}")
     if "pair" not in args:
         only = args["only"].split(",") if "only" in args else None
         main(Path(args.get("out", "bench/results")), Path(args.get("variant_file", VARIANT_FILE)), only)
@@ -221,3 +223,8 @@ if __name__ == "__main__":
         torch.set_num_threads(THREADS)
         name, variant, variant_file, work = args["pair"].split(",", 3)
         print(PAIR_ROW + json.dumps(measure_pair(name, variant, Path(work), Path(variant_file))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    script_main(cli)
